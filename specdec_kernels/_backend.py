@@ -1,0 +1,66 @@
+"""Backend selection shared by every op.
+
+Each public op accepts ``backend=`` with one of:
+
+- ``"reference"``: plain PyTorch that reads like the paper (the test oracle);
+- ``"torch"``: the vectorized, sync-free PyTorch path (default for CPU tensors);
+- ``"triton"``: the fused Triton kernels (default for CUDA tensors). On CPU
+  tensors it runs under the Triton interpreter, which must be switched on with
+  ``TRITON_INTERPRET=1`` before anything imports triton;
+- ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed, else ``"torch"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("reference", "torch", "triton")
+
+# Public ops that dispatch through `resolve_backend` (printed by `python -m specdec_kernels`).
+OPS = ("rejection_sample", "rejection_sample_logits", "first_rejection_index", "ragged_attention",
+       "KVCache.append")
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the triton package can be imported (it ships for Linux only)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def auto_backend(device: torch.device | str) -> str:
+    """The backend ``backend="auto"`` picks for tensors on ``device``."""
+    device = torch.device(device)
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Validate ``backend`` for tensors on ``device`` and resolve ``"auto"``.
+
+    Raises:
+        ValueError: unknown backend name, or ``"triton"`` where it cannot run.
+    """
+    device = torch.device(device)
+    if backend == "auto":
+        return auto_backend(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend='triton' needs the triton package (pip install triton, Linux only)")
+        if device.type == "cpu" and not interpreter_enabled():
+            raise ValueError(
+                "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before importing triton, or use backend='torch' / 'auto'"
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"backend='triton' supports CUDA (or CPU under the interpreter), got {device}")
+    return backend
