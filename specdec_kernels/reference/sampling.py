@@ -1,0 +1,153 @@
+"""Reference speculative verification: one row at a time, as in Leviathan et al. 2022, Algorithm 1.
+
+Same signatures as `specdec_kernels.sampling`; slow on purpose (Python loops over rows and
+positions, host reads everywhere). The random inputs come from `RejectionNoise`, so a fast path
+that consumes the same noise must produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import (
+    SAMPLE_CHUNK,
+    RejectionNoise,
+    RejectionOutput,
+    make_rejection_noise,
+    process_logits,
+)
+
+
+def _sample_race(w: torch.Tensor, exponential: torch.Tensor) -> int:
+    """Exponential race: ``argmax_v w_v / E_v`` over entries with ``w_v > 0`` (first maximum)."""
+    scores = torch.where(w > 0, w / exponential, torch.full_like(w, -1.0))
+    return int(scores.argmax())
+
+
+def _sample_inverse_cdf(w: torch.Tensor, uniform: torch.Tensor) -> int:
+    """Two-level inverse CDF: a chunk of `SAMPLE_CHUNK` entries proportional to its mass, then an
+    entry of it proportional to its weight (each level: first prefix sum above ``u * total``)."""
+    V = w.shape[0]
+    C = SAMPLE_CHUNK
+    num_chunks = -(-V // C)
+    padded = torch.zeros(num_chunks * C, dtype=torch.float32)
+    padded[:V] = w
+    chunks = padded.view(num_chunks, C)
+    chunk_cdf = chunks.sum(-1).double().cumsum(0)
+    c = int(torch.searchsorted(chunk_cdf, uniform[0].double() * chunk_cdf[-1], right=True))
+    c = min(c, num_chunks - 1)
+    inner_cdf = chunks[c].double().cumsum(0)
+    i = int(torch.searchsorted(inner_cdf, uniform[1].double() * inner_cdf[-1], right=True))
+    return min(c * C + min(i, C - 1), V - 1)
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                     draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None = None, *,
+                     greedy: bool | torch.Tensor = False, generator: torch.Generator | None = None,
+                     seed: int | torch.Tensor | None = None, noise: RejectionNoise | None = None,
+                     validate: bool | None = None) -> RejectionOutput:
+    """Reference of `specdec_kernels.rejection_sample` (inputs are assumed valid).
+
+    Shapes: target ``[B, K+1, V]``, draft ``[B, K, V]`` or None, ids ``[B, K]``, counts ``[B]``.
+    Samples with the exponential race when ``noise.exponential`` is given, else with the
+    two-level inverse CDF of ``noise.uniform``. Returns `RejectionOutput`.
+    """
+    B, K1, V = target_probs.shape
+    K = K1 - 1
+    device = target_probs.device
+    if noise is None:
+        noise = make_rejection_noise(B, K, generator=generator, seed=seed, device=device)
+    p_all = target_probs.float().cpu()
+    q_all = draft_probs.float().cpu() if draft_probs is not None else None
+    ids_all = draft_token_ids.long().cpu()
+    counts = [K] * B if num_draft_tokens is None else [min(max(int(n), 0), K) for n in num_draft_tokens]
+    greedy_rows = [bool(g) for g in greedy] if isinstance(greedy, torch.Tensor) else [greedy] * B
+    accept_u = noise.accept.cpu()
+    token_ids = torch.full((B, K1), -1, dtype=torch.int64)
+    num_accepted = torch.zeros(B, dtype=torch.int64)
+
+    for b in range(B):
+        p, ids, n = p_all[b], ids_all[b], counts[b]
+        accepted = 0
+        if greedy_rows[b]:
+            # Accept while the draft is the target's argmax; emit the argmax where it is not.
+            while accepted < n and int(ids[accepted]) == int(p[accepted].argmax()):
+                accepted += 1
+            token = int(p[accepted].argmax())
+        else:
+            rejected = False
+            while accepted < n:
+                x = int(ids[accepted])
+                p_x = p[accepted, x] if 0 <= x < V else torch.tensor(0.0)
+                q_x = q_all[b, accepted, x] if q_all is not None and 0 <= x < V else torch.tensor(1.0)
+                if 0 <= x < V and q_x > 0 and accepted_by(accept_u[b, accepted], q_x, p_x):
+                    accepted += 1
+                else:
+                    rejected = True
+                    break
+            if rejected:
+                # Residual distribution normalize(max(p - q, 0)); q one-hot without draft probs.
+                j = accepted
+                if q_all is not None:
+                    q = q_all[b, j]
+                else:
+                    q = torch.zeros(V)
+                    x = int(ids[j])
+                    if 0 <= x < V:
+                        q[x] = 1.0
+                weights = torch.clamp(p[j] - q, min=0.0)
+                if not weights.sum() > 0:  # rounding left no residual mass: sample from p_j
+                    weights = p[j]
+            else:
+                weights = p[accepted]  # bonus token from p_{n_b}
+            if noise.exponential is not None:
+                token = _sample_race(weights, noise.exponential[b].cpu())
+            else:
+                token = _sample_inverse_cdf(weights, noise.uniform[b].cpu())
+        token_ids[b, :accepted] = ids[:accepted]
+        token_ids[b, accepted] = token
+        num_accepted[b] = accepted
+    return RejectionOutput(token_ids.to(device), num_accepted.to(device))
+
+
+def accepted_by(u: torch.Tensor, q_x: torch.Tensor, p_x: torch.Tensor) -> bool:
+    """Leviathan et al.'s test ``u <= p(x) / q(x)``, written without the division: ``u * q <= p``."""
+    return bool(u * q_x <= p_x)
+
+
+def rejection_sample_logits(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
+                            draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None = None, *,
+                            temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
+                            top_p: float | None = None, greedy: bool | torch.Tensor = False,
+                            generator: torch.Generator | None = None, seed: int | torch.Tensor | None = None,
+                            noise: RejectionNoise | None = None, validate: bool | None = None
+                            ) -> RejectionOutput:
+    """Reference of `specdec_kernels.rejection_sample_logits`: `process_logits` on both models'
+    logits, then `rejection_sample`; temperature-0 rows are greedy."""
+    B = target_logits.shape[0]
+    if isinstance(temperature, torch.Tensor):
+        greedy_rows = temperature == 0
+        if isinstance(greedy, torch.Tensor):
+            greedy_rows = greedy_rows | greedy
+        elif greedy:
+            greedy_rows = torch.ones(B, dtype=torch.bool, device=target_logits.device)
+        greedy = greedy_rows
+    elif temperature == 0:
+        greedy = True
+    target_probs = process_logits(target_logits, temperature, top_k, top_p)
+    draft_probs = process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
+    return rejection_sample(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy=greedy,
+                            generator=generator, seed=seed, noise=noise)
+
+
+def first_rejection_index(accepted: torch.Tensor, num_draft_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of `specdec_kernels.first_rejection_index`: ``[B, K]`` bool -> ``[B]`` int64."""
+    B, K = accepted.shape
+    out = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        n = K if num_draft_tokens is None else min(max(int(num_draft_tokens[b]), 0), K)
+        i = 0
+        while i < n and bool(accepted[b, i]):
+            i += 1
+        out[b] = i
+    return out.to(accepted.device)
