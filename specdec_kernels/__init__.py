@@ -10,14 +10,18 @@ Every op takes ``backend="auto" | "reference" | "torch" | "triton"``; see
 """
 
 from ._backend import BACKENDS, auto_backend, interpreter_enabled, resolve_backend, triton_available
+from .attention import ragged_attention
+from .cache import KVCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "KVCache",
     "__version__",
     "auto_backend",
     "interpreter_enabled",
+    "ragged_attention",
     "resolve_backend",
     "triton_available",
 ]

@@ -1,0 +1,282 @@
+"""Triton kernels: causal GQA attention over a ragged KV cache, split-KV with a log-sum-exp merge.
+
+Layout of the work (flash-decoding, also for T > 1):
+
+- One program per (split s, KV head h x row block, batch row b). The G query heads of KV head h
+  and the T queries of row b are packed into one tile of G*T rows (row r = t * G + g), so each
+  K/V tile is loaded once per KV head and serves every query that reads it.
+- The split count of row b is chosen on the device from its actual length (`_num_splits`):
+  at most ``max_splits`` (a host-side bound from the batch shape and the GPU size, never from a
+  length), and no split shorter than ``min_chunk`` keys. Programs with ``s >= n_split(b)`` exit
+  at once, as do all key blocks past the row's length.
+- A row that needs one split writes its normalized output directly; a split row writes fp32
+  partial outputs and log2-sum-exp values, which `_ragged_attn_merge_kernel` combines. When the
+  host bound is one split (short caches or a batch that fills the GPU), the merge is not launched.
+- fp32 accumulation, exp2 softmax (scale * log2(e) folded into the scores), output in the input
+  dtype. Keys at or beyond a row's length are never loaded (masked loads), so whatever the cache
+  holds there cannot reach the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec_kernels._backend import interpreter_enabled
+
+from .registry import KernelSpec, register, torch_dtype_to_triton
+
+#: Head dims the Triton path is compiled for (registered specializations).
+HEAD_DIMS = (64, 80, 96, 128)
+#: Upper bound of splits per row (the merge kernel reads one block of this many partials).
+MAX_SPLITS = 64
+MERGE_WARPS = 4
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _num_splits(length, max_splits, min_chunk, BN: tl.constexpr):
+    """Splits of a row with ``length`` keys and the keys per split (a multiple of BN)."""
+    n_split = tl.maximum(tl.minimum(max_splits, tl.cdiv(length, min_chunk)), 1)
+    chunk = tl.cdiv(tl.cdiv(length, n_split), BN) * BN
+    return tl.cdiv(length, chunk), chunk
+
+
+@triton.jit
+def _ragged_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, cache_seqlens_ptr, q_seqlens_ptr,
+    has_q_seqlens, T, G, num_row_blocks, max_splits, min_chunk, scale_log2e,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kl, stride_kh,
+    stride_vb, stride_vl, stride_vh, stride_ob, stride_ot, stride_oh,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1) // num_row_blocks
+    i_mb = tl.program_id(1) % num_row_blocks
+    i_b = tl.program_id(2).to(tl.int64)
+    Hkv = tl.num_programs(1) // num_row_blocks
+
+    length = tl.load(cache_seqlens_ptr + i_b).to(tl.int32)
+    n_q = tl.load(q_seqlens_ptr + i_b, mask=has_q_seqlens != 0, other=T).to(tl.int32)
+    n_split, chunk = _num_splits(length, max_splits, min_chunk, BN)
+    if i_s >= n_split:
+        return
+    lo = i_s * chunk
+    hi = tl.minimum(lo + chunk, length)
+
+    o_m = i_mb * BM + tl.arange(0, BM)          # packed rows r = t * G + g
+    o_t = o_m // G
+    o_g = o_m % G
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_row = (o_m < G * T) & (o_t < n_q)         # real queries
+    pos = tl.where(m_row, length - n_q + o_t, -1)  # causal limit; -1: attends to nothing
+
+    o_head = i_h * G + o_g                      # query head of each packed row
+    p_q = q_ptr + i_b * stride_qb + o_t[:, None] * stride_qt + o_head[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+
+    m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BD], dtype=tl.float32)
+    p_k0 = k_ptr + i_b * stride_kb + i_h * stride_kh
+    p_v0 = v_ptr + i_b * stride_vb + i_h * stride_vh
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < hi
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(p_k0 + o_n[:, None] * stride_kl + o_d[None, :], mask=m_kv, other=0.0)
+        if DOT_F32:  # interpreter only (its bf16 dot is wrong): same rounding, fp32 product
+            b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k))
+        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= pos[:, None]), b_s * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        b_p = tl.exp2(b_s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        b_v = tl.load(p_v0 + o_n[:, None] * stride_vl + o_d[None, :], mask=m_kv, other=0.0)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32),
+                                                input_precision="ieee")
+        elif IEEE:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    b_o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if n_split == 1:
+        # Padding rows (t >= n_q) are written as zeros by this, the only program of the row.
+        p_o = out_ptr + i_b * stride_ob + o_t[:, None] * stride_ot + o_head[:, None] * stride_oh
+        p_o += o_d[None, :]
+        tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=(o_m < G * T)[:, None] & m_d[None, :])
+    else:
+        GT = G * T
+        base = ((i_b * Hkv + i_h) * max_splits + i_s) * GT
+        p_part = o_part_ptr + (base + o_m)[:, None] * D + o_d[None, :]
+        tl.store(p_part, b_o, mask=m_row[:, None] & m_d[None, :])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(lse_part_ptr + base + o_m, lse, mask=m_row)
+
+
+@triton.jit
+def _ragged_attn_merge_kernel(
+    out_ptr, o_part_ptr, lse_part_ptr, cache_seqlens_ptr, q_seqlens_ptr, has_q_seqlens,
+    T, G, max_splits, min_chunk, stride_ob, stride_ot, stride_oh,
+    D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+):
+    i_r = tl.program_id(0)                      # packed row r = t * G + g
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    Hkv = tl.num_programs(1)
+    length = tl.load(cache_seqlens_ptr + i_b).to(tl.int32)
+    n_q = tl.load(q_seqlens_ptr + i_b, mask=has_q_seqlens != 0, other=T).to(tl.int32)
+    n_split, chunk = _num_splits(length, max_splits, min_chunk, BN)
+    if n_split == 1:                            # the forward program wrote this row already
+        return
+    o_t = i_r // G
+    o_g = i_r % G
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    p_o = out_ptr + i_b * stride_ob + o_t * stride_ot + (i_h * G + o_g) * stride_oh + o_d
+    if o_t >= n_q:                              # padding row
+        tl.store(p_o, tl.zeros([BD], dtype=tl.float32).to(out_ptr.dtype.element_ty), mask=m_d)
+        return
+    o_s = tl.arange(0, BS)
+    m_s = o_s < n_split
+    GT = G * T
+    rows = ((i_b * Hkv + i_h) * max_splits + o_s) * GT + i_r
+    lse = tl.load(lse_part_ptr + rows, mask=m_s, other=float("-inf"))
+    lse_max = tl.max(lse, 0)                    # finite: split 0 holds key 0, seen by every query
+    w = tl.exp2(lse - lse_max)
+    b_o = tl.load(o_part_ptr + rows[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+    b_out = tl.sum(w[:, None] * b_o, 0) / tl.sum(w, 0)
+    tl.store(p_o, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
+
+
+def attention_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict[str, int | bool]:
+    """Block sizes and warps for ``rows = G * T`` packed query rows (shared by launcher and registry)."""
+    BM = min(64, max(16, triton.next_power_of_2(rows)))
+    BD = max(16, triton.next_power_of_2(head_dim))
+    BN = 64 if BM <= 32 and dtype != torch.float32 else 32
+    num_warps = 4 if BM * BD <= 32 * 128 else 8
+    # The Triton interpreter (3.x) computes bf16 tl.dot wrongly; there, and only there, bf16 tiles
+    # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
+    dot_f32 = dtype == torch.bfloat16 and interpreter_enabled()
+    return dict(BM=BM, BN=BN, BD=BD, IEEE=dtype == torch.float32, DOT_F32=dot_f32, num_warps=num_warps)
+
+
+def min_split_keys(dtype: torch.dtype, rows: int, BN: int) -> int:
+    """Fewest keys per split: partials (about 8 bytes per row and channel, written and read back)
+    stay under ~5 % of the K/V bytes a split reads (2 * element size per key and channel)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    keys = max(256, 80 * rows // element)
+    return triton.cdiv(keys, BN) * BN
+
+
+def _max_splits(batch: int, programs_per_row: int, max_len: int, min_chunk: int, device: torch.device) -> int:
+    """Host-side bound on splits per row, from shapes only: enough programs for ~2 waves of the GPU."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 128
+    want = triton.cdiv(2 * sms, batch * programs_per_row)
+    return max(1, min(MAX_SPLITS, want, triton.cdiv(max_len, min_chunk)))
+
+
+def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, scale: float, *,
+                            max_splits: int | None = None, min_chunk: int | None = None) -> torch.Tensor:
+    """Launch the kernels for validated inputs (see `specdec_kernels.ragged_attention`).
+
+    Args:
+        q: [B, T, Hq, D]; k_cache, v_cache: [B, Lmax, Hkv, D] (same dtype; fp32, fp16 or bf16).
+        cache_seqlens, q_seqlens: [B] integer (q_seqlens may be None: T per row).
+        scale: softmax scale.
+        max_splits: override the host-side bound on splits per row (tests force 1 or many).
+        min_chunk: override the fewest keys per split (rounded up to the key block).
+
+    Returns:
+        [B, T, Hq, D] in ``q.dtype``. One launch when at most one split per row is possible,
+        two (forward + merge) otherwise; no host synchronization.
+    """
+    B, T, Hq, D = q.shape
+    Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    if D not in HEAD_DIMS:
+        raise ValueError(f"backend='triton' supports head_dim in {HEAD_DIMS}, got D={D}; use backend='torch'")
+    q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
+    rows = G * T
+    cfg = attention_config(q.dtype, D, rows)
+    BM, BN, BD, num_warps = cfg["BM"], cfg["BN"], cfg["BD"], cfg["num_warps"]
+    num_row_blocks = triton.cdiv(rows, BM)
+    if min_chunk is None:
+        min_chunk = min_split_keys(q.dtype, rows, BN)
+    min_chunk = triton.cdiv(max(1, min_chunk), BN) * BN
+    if max_splits is None:
+        max_splits = _max_splits(B, Hkv * num_row_blocks, Lmax, min_chunk, q.device)
+    max_splits = max(1, min(MAX_SPLITS, max_splits, triton.cdiv(Lmax, min_chunk)))
+    cache_seqlens = cache_seqlens.to(torch.int64)
+    has_q = q_seqlens is not None
+    q_lens = q_seqlens.to(torch.int64) if has_q else cache_seqlens  # not read when has_q is False
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if max_splits > 1:
+        o_part = torch.empty(B, Hkv, max_splits, rows, D, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B, Hkv, max_splits, rows, dtype=torch.float32, device=q.device)
+    else:  # never written (every row has one split); fp32 so the launch matches the registered signature
+        o_part = lse_part = torch.empty(1, dtype=torch.float32, device=q.device)
+    _ragged_attn_fwd_kernel[(max_splits, Hkv * num_row_blocks, B)](
+        q, k_cache, v_cache, out, o_part, lse_part, cache_seqlens, q_lens,
+        int(has_q), T, G, num_row_blocks, max_splits, min_chunk, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        D=D, BM=BM, BN=BN, BD=BD, IEEE=cfg["IEEE"], DOT_F32=cfg["DOT_F32"], num_warps=num_warps, num_stages=2,
+    )
+    if max_splits > 1:
+        _ragged_attn_merge_kernel[(rows, Hkv, B)](
+            out, o_part, lse_part, cache_seqlens, q_lens, int(has_q), T, G, max_splits, min_chunk,
+            out.stride(0), out.stride(1), out.stride(2),
+            D=D, BD=BD, BN=BN, BS=MAX_SPLITS, num_warps=MERGE_WARPS,
+        )
+    return out
+
+
+def _register() -> None:
+    ints = ("has_q_seqlens", "T", "G", "num_row_blocks", "max_splits", "min_chunk")
+    strides = ("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
+               "stride_vb", "stride_vl", "stride_vh", "stride_ob", "stride_ot", "stride_oh")
+    short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        ptr = torch_dtype_to_triton(dtype)
+        for D in HEAD_DIMS:
+            seen = set()
+            for rows in (1, 17, 33):  # one packed-row count per row-block size the launcher can pick
+                cfg = attention_config(dtype, D, rows)
+                if cfg["BM"] in seen:
+                    continue
+                seen.add(cfg["BM"])
+                signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "o_part_ptr": "*fp32",
+                             "lse_part_ptr": "*fp32", "cache_seqlens_ptr": "*i64", "q_seqlens_ptr": "*i64",
+                             **{n: "i32" for n in ints}, "scale_log2e": "fp32", **{n: "i32" for n in strides},
+                             "D": "constexpr", "BM": "constexpr", "BN": "constexpr", "BD": "constexpr",
+                             "IEEE": "constexpr", "DOT_F32": "constexpr"}
+                constexprs = dict(D=D, BM=cfg["BM"], BN=cfg["BN"], BD=cfg["BD"], IEEE=cfg["IEEE"],
+                                  DOT_F32=False)
+                register(KernelSpec(
+                    f"attention[fwd,{short[dtype]},D={D},BM={cfg['BM']},BN={cfg['BN']}]",
+                    _ragged_attn_fwd_kernel, signature, constexprs, num_warps=cfg["num_warps"], num_stages=2))
+                merge_sig = {"out_ptr": ptr, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
+                             "cache_seqlens_ptr": "*i64", "q_seqlens_ptr": "*i64",
+                             **{n: "i32" for n in ("has_q_seqlens", "T", "G", "max_splits", "min_chunk",
+                                                   "stride_ob", "stride_ot", "stride_oh")},
+                             "D": "constexpr", "BD": "constexpr", "BN": "constexpr", "BS": "constexpr"}
+                register(KernelSpec(
+                    f"attention[merge,{short[dtype]},D={D},BN={cfg['BN']}]", _ragged_attn_merge_kernel,
+                    merge_sig, dict(D=D, BD=cfg["BD"], BN=cfg["BN"], BS=MAX_SPLITS),
+                    num_warps=MERGE_WARPS, num_stages=2))
+
+
+_register()

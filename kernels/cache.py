@@ -1,0 +1,81 @@
+"""Triton kernel: scatter new keys and values into a KV cache at each row's own length.
+
+One program per (new token t, KV head h, row b) copies one [D] vector of K and of V to position
+``lengths[b] + t``. Tokens ``t >= q_seqlens[b]`` and positions at or beyond ``max_len`` are masked
+off (nothing loaded, nothing stored), so an overflowing append never corrupts the cache; the
+caller reports it with a device-side assert. No host synchronization.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .registry import KernelSpec, register, torch_dtype_to_triton
+
+#: Head dims the append kernel is compiled for (same set as the attention kernel).
+HEAD_DIMS = (64, 80, 96, 128)
+
+
+@triton.jit
+def _kv_append_kernel(
+    k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, lengths_ptr, q_seqlens_ptr, has_q_seqlens, T, max_len,
+    stride_cb, stride_cl, stride_ch, stride_nb, stride_nt, stride_nh,
+    D: tl.constexpr, BD: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    n = tl.load(q_seqlens_ptr + i_b, mask=has_q_seqlens != 0, other=T).to(tl.int32)
+    position = tl.load(lengths_ptr + i_b) + i_t
+    o_d = tl.arange(0, BD)
+    m = (o_d < D) & (o_d * 0 + i_t < n) & (o_d * 0 + position < max_len)
+    src = i_b * stride_nb + i_t * stride_nt + i_h * stride_nh + o_d
+    dst = i_b * stride_cb + position * stride_cl + i_h * stride_ch + o_d
+    tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + src, mask=m), mask=m)
+    tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + src, mask=m), mask=m)
+
+
+def append_config(head_dim: int) -> dict[str, int]:
+    """Block size and warps for one [D] vector (shared by launcher and registry)."""
+    return dict(BD=max(16, triton.next_power_of_2(head_dim)), num_warps=1)
+
+
+def append_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                  lengths: torch.Tensor, q_seqlens: torch.Tensor | None) -> None:
+    """Scatter validated ``k_new``/``v_new`` [B, T, Hkv, D] into ``k_cache``/``v_cache``
+    [B, max_len, Hkv, D] at positions ``lengths[b] + t`` for ``t < q_seqlens[b]`` (one launch)."""
+    B, T, Hkv, D = k_new.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"the Triton append supports head_dim in {HEAD_DIMS}, got D={D}; "
+                         "use backend='torch'")
+    if k_cache.stride() != v_cache.stride() or k_new.stride() != v_new.stride():
+        k_cache, v_cache, k_new, v_new = (t.contiguous() for t in (k_cache, v_cache, k_new, v_new))
+    if k_cache.stride(-1) != 1 or k_new.stride(-1) != 1:
+        raise ValueError("the Triton append needs the head dim of the cache and of k_new to be contiguous")
+    has_q = q_seqlens is not None
+    cfg = append_config(D)
+    _kv_append_kernel[(T, Hkv, B)](
+        k_cache, v_cache, k_new, v_new, lengths, q_seqlens if has_q else lengths, int(has_q), T,
+        k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_new.stride(0), k_new.stride(1), k_new.stride(2), D=D, BD=cfg["BD"], num_warps=cfg["num_warps"],
+    )
+
+
+def _register() -> None:
+    short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        ptr = torch_dtype_to_triton(dtype)
+        for D in HEAD_DIMS:
+            cfg = append_config(D)
+            signature = {"k_cache_ptr": ptr, "v_cache_ptr": ptr, "k_new_ptr": ptr, "v_new_ptr": ptr,
+                         "lengths_ptr": "*i64", "q_seqlens_ptr": "*i64",
+                         **{n: "i32" for n in ("has_q_seqlens", "T", "max_len", "stride_cb", "stride_cl",
+                                               "stride_ch", "stride_nb", "stride_nt", "stride_nh")},
+                         "D": "constexpr", "BD": "constexpr"}
+            register(KernelSpec(f"cache[append,{short[dtype]},D={D}]", _kv_append_kernel, signature,
+                                dict(D=D, BD=cfg["BD"]), num_warps=cfg["num_warps"], num_stages=1))
+
+
+_register()

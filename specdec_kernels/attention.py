@@ -1,0 +1,195 @@
+"""Causal attention over a ragged KV cache: decode (T = 1) and speculative verification (T = K + 1).
+
+``ragged_attention(q, k_cache, v_cache, cache_seqlens, q_seqlens)`` attends T new queries per row
+to that row's own cache prefix. The convention is FlashAttention's ``flash_attn_with_kvcache``:
+``cache_seqlens`` counts the valid keys of a row *including* its new tokens (they were appended
+before the call), and the queries sit at the end of that prefix, causal among themselves
+(bottom-right aligned). A row may have fewer real queries than T (``q_seqlens``); its padding
+rows come out as zeros.
+
+Backends (see `specdec_kernels._backend`):
+
+- ``"reference"``: `specdec_kernels.reference.attention`, row by row in fp32;
+- ``"torch"``: vectorized and sync-free (no Python loop over rows, no host read of a length):
+  the G query heads of a KV head and the T queries of a row are packed into one matrix, so each
+  KV head's cache is multiplied once; a boolean mask built on device covers causality, the ragged
+  lengths and the padding rows. Half-precision inputs are computed in fp32;
+- ``"triton"``: `specdec_kernels.kernels.attention`, split-KV (flash-decoding) with a
+  log-sum-exp merge; the split count is chosen per row on the device.
+
+Value checks (``cache_seqlens`` within ``q_seqlens .. Lmax``, ``q_seqlens`` within ``1 .. T``)
+are made without a host synchronization through ``torch._assert_async``: on CPU tensors a bad
+value raises `DeviceCheckError` (a ``ValueError``) at once; on CUDA it is a device-side assert,
+reported at the next synchronization.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._backend import resolve_backend
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class DeviceCheckError(ValueError, RuntimeError):
+    """A value check made on the device (``torch._assert_async``) failed on a CPU tensor.
+
+    Subclasses both ``ValueError`` (bad input) and ``RuntimeError`` (what
+    ``torch._assert_async`` raises on CPU), so callers may catch either.
+    """
+
+
+def device_check(condition: torch.Tensor, message: str) -> None:
+    """Assert the 0-d bool tensor ``condition`` without a host synchronization.
+
+    On CPU a false ``condition`` raises `DeviceCheckError` carrying ``message`` immediately; on
+    CUDA it is a device-side assert (the error surfaces at the next synchronization).
+    """
+    try:
+        torch._assert_async(condition, message)
+    except RuntimeError as e:
+        raise DeviceCheckError(message) from e
+
+
+def _check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a [B] integer tensor, got {type(t).__name__}")
+    if t.shape != (batch,):
+        raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(t.shape)}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {t.device}")
+
+
+def check_ragged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None
+                                  ) -> tuple[int, int, int, int, int, int]:
+    """Validate the arguments of `ragged_attention`; return ``(B, T, Hq, D, Lmax, Hkv)``.
+
+    Shapes, dtypes and devices are checked on the host (ValueError naming the argument, with
+    expected and actual values); the values of ``cache_seqlens`` and ``q_seqlens`` are checked
+    on the device with `device_check` (no host synchronization).
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = "[B, T, Hq, D]" if name == "q" else "[B, Lmax, Hkv, D]"
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {list(t.shape)}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    B, T, Hq, D = q.shape
+    if B < 1 or T < 1 or D < 1:
+        raise ValueError(f"q must have B, T, D >= 1, got shape {list(q.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {list(k_cache.shape)}, "
+                         f"got {list(v_cache.shape)}")
+    Bk, Lmax, Hkv, Dk = k_cache.shape
+    if Bk != B:
+        raise ValueError(f"k_cache must have batch size {B} like q, got shape {list(k_cache.shape)}")
+    if Dk != D:
+        raise ValueError(f"k_cache must have head_dim {D} like q, got shape {list(k_cache.shape)}")
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(f"q's heads Hq={Hq} must be a multiple of k_cache's heads Hkv={Hkv}")
+    if Lmax < T:
+        raise ValueError(f"k_cache must hold at least T={T} positions, got Lmax={Lmax}")
+    _check_lengths_tensor("cache_seqlens", cache_seqlens, B, q.device)
+    if q_seqlens is not None:
+        _check_lengths_tensor("q_seqlens", q_seqlens, B, q.device)
+        device_check(((q_seqlens >= 1) & (q_seqlens <= T)).all(),
+                     f"q_seqlens must lie in 1..T={T} for every row")
+        lower, lower_name = q_seqlens, "q_seqlens"
+    else:
+        lower, lower_name = T, f"T={T}"
+    device_check(((cache_seqlens >= lower) & (cache_seqlens <= Lmax)).all(),
+                 f"cache_seqlens must lie in {lower_name}..Lmax={Lmax} for every row "
+                 "(it counts the new tokens, which must already be in the cache)")
+    return B, T, Hq, D, Lmax, Hkv
+
+
+def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None,
+                            scale: float) -> torch.Tensor:
+    """Vectorized, sync-free CPU path (works on any device). Shapes as in `ragged_attention`."""
+    B, T, Hq, D = q.shape
+    Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    device = q.device
+    lengths = cache_seqlens.to(torch.int64)
+    steps = torch.arange(T, device=device)
+    if q_seqlens is None:
+        positions = (lengths[:, None] - T) + steps                       # [B, T]
+        real = None
+    else:
+        n = q_seqlens.to(torch.int64)[:, None]
+        real = steps < n                                                  # [B, T]
+        # Padding rows attend like the row's last real query (every valid key; zeroed below).
+        positions = lengths[:, None] - n + torch.minimum(steps, n - 1)
+    keys = torch.arange(Lmax, device=device)
+    allowed = keys <= positions[:, :, None]                               # [B, T, Lmax]
+    # Packed rows r = g * T + t of one KV head share the mask of query t.
+    blocked = ~allowed[:, None].expand(B, G, T, Lmax).reshape(B, G * T, Lmax)
+    # Entries beyond a row's length are never trusted: a NaN there times a zero weight is NaN.
+    v_valid = torch.where((keys < lengths[:, None])[:, :, None, None], v_cache, 0).float()
+    k_all = k_cache if k_cache.dtype == torch.float32 else k_cache.float()
+    q_packed = (q.float() * scale).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    out = q_packed.new_empty(B, Hkv, G * T, D)
+    for h in range(Hkv):  # a few KV heads; each is one batched matmul over all rows
+        scores = torch.bmm(q_packed[:, h], k_all[:, :, h].transpose(1, 2))  # [B, G*T, Lmax]
+        scores.masked_fill_(blocked, float("-inf"))
+        torch.bmm(torch.softmax(scores, dim=-1), v_valid[:, :, h], out=out[:, h])
+    out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    if real is not None:
+        out = torch.where(real[:, :, None, None], out, 0.0)
+    return out.to(q.dtype)
+
+
+def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
+                     scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Causal GQA attention of T new queries per row over a ragged KV cache.
+
+    Query i of row b sits at position ``cache_seqlens[b] - q_seqlens[b] + i`` and attends to keys
+    ``0 .. position`` of row b (causal, bottom-right aligned). Keys at or beyond
+    ``cache_seqlens[b]`` are never used, whatever they hold (NaN included).
+
+    Args:
+        q: [B, T, Hq, D] float32 / float16 / bfloat16: T new query tokens per row (padded when a
+            row has fewer).
+        k_cache, v_cache: [B, Lmax, Hkv, D], same dtype and device as ``q``, Hq = G * Hkv for
+            any G >= 1 (query head j reads KV head j // G).
+        cache_seqlens: [B] integer: valid keys in row b, INCLUDING its new tokens (already
+            appended), in ``q_seqlens[b] .. Lmax``.
+        q_seqlens: [B] integer in ``1 .. T``: real queries per row; None means T for every row.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"reference"``, ``"torch"`` or
+            ``"triton"``.
+
+    Returns:
+        [B, T, Hq, D] in ``q.dtype`` (accumulated in float32); rows ``i >= q_seqlens[b]`` are zero.
+
+    Raises:
+        ValueError: a shape, head count, dtype or device mismatch, naming the argument; on CPU
+            also out-of-range lengths (`DeviceCheckError`); on CUDA those are device asserts.
+    """
+    backend = resolve_backend(backend, q.device if isinstance(q, torch.Tensor) else "cpu")
+    if backend == "reference":
+        from .reference.attention import ragged_attention as reference
+
+        return reference(q, k_cache, v_cache, cache_seqlens, q_seqlens, scale=scale)
+    D = check_ragged_attention_inputs(q, k_cache, v_cache, cache_seqlens, q_seqlens)[3]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if backend == "torch":
+        return _ragged_attention_torch(q, k_cache, v_cache, cache_seqlens, q_seqlens, scale)
+    from .kernels.attention import ragged_attention_triton
+
+    return ragged_attention_triton(q, k_cache, v_cache, cache_seqlens, q_seqlens, scale)

@@ -1,0 +1,208 @@
+"""A preallocated KV cache with per-row lengths, for ragged speculative decoding.
+
+One buffer pair per layer, ``k[layer]`` and ``v[layer]`` of shape [B, max_len, Hkv, D], and one
+length per row, ``lengths`` [B] int64 on the cache's device. Positions ``0 .. lengths[b] - 1`` of
+row b are valid; everything beyond is scratch that `specdec_kernels.ragged_attention` never reads.
+
+The protocol of one forward pass over T new tokens per row (``q_seqlens[b] <= T`` real ones)::
+
+    for layer in range(num_layers):
+        cache.append(layer, k_new, v_new, q_seqlens)          # writes at lengths[b] .. (no move)
+        out = ragged_attention(q, cache.k[layer], cache.v[layer],
+                               cache.lengths + q_seqlens, q_seqlens)
+    cache.advance(q_seqlens)                                   # lengths += q_seqlens
+    ...
+    cache.crop(lengths_after_acceptance)                       # roll back rejected tokens
+
+Nothing here reads a device value on the host (no synchronization), except `select` given a
+boolean mask, whose result size depends on the mask's values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import resolve_backend
+from .attention import device_check
+
+
+def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """``value`` as a [batch] int64 tensor on ``device`` (an int is broadcast)."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+        raise ValueError(f"{name} must be an int or a [B] integer tensor, got {type(value).__name__}")
+    if isinstance(value, int):
+        return torch.full((batch,), value, dtype=torch.int64, device=device)
+    if value.shape != (batch,):
+        raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(value.shape)}")
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} must be on the cache's device {device}, got {value.device}")
+    return value.to(torch.int64)
+
+
+class KVCache:
+    """Per-layer K/V buffers plus one length per row; appends, crops and row selection in place.
+
+    Args:
+        num_layers: number of layers (one k/v buffer pair each).
+        batch_size: rows B.
+        max_len: positions per row.
+        num_kv_heads: Hkv.
+        head_dim: D.
+        dtype: buffer dtype (float32, float16 or bfloat16).
+        device: buffer device.
+
+    Attributes:
+        k, v: lists of ``num_layers`` tensors [B, max_len, Hkv, D] (zero-initialized).
+        lengths: [B] int64 on ``device``: valid positions per row.
+        num_layers, batch_size, max_len, num_kv_heads, head_dim, dtype, device.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("max_len", max_len),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.num_layers, self.batch_size, self.max_len = num_layers, batch_size, max_len
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (batch_size, max_len, num_kv_heads, head_dim)
+        # Zeros, not empty: the torch attention path multiplies entries beyond a length by zero weights.
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+
+    def __repr__(self) -> str:
+        return (f"KVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
+                f"max_len={self.max_len}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype}, "
+                f"device={self.device})")
+
+    def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
+               q_seqlens: int | torch.Tensor | None = None, *, backend: str = "auto") -> None:
+        """Write row b's first ``q_seqlens[b]`` new keys/values at positions ``lengths[b] ..``.
+
+        Does not move `lengths` (every layer of one forward pass appends at the same offsets;
+        call `advance` once afterwards). Entries ``t >= q_seqlens[b]`` of ``k_new``/``v_new``
+        are ignored.
+
+        Args:
+            layer: layer index in ``0 .. num_layers - 1``.
+            k_new, v_new: [B, T, Hkv, D] in the cache's dtype, on its device.
+            q_seqlens: [B] integer in ``0 .. T`` (or an int), default T.
+            backend: ``"auto"`` (a Triton scatter on CUDA, an ``index_put_`` elsewhere),
+                ``"torch"``, ``"triton"``; ``"reference"`` means ``"torch"`` here.
+
+        Raises:
+            ValueError: bad layer, shape, dtype or device. Writing past ``max_len`` raises
+                `DeviceCheckError` (a ValueError) on CPU and is a device-side assert on CUDA;
+                the Triton scatter also masks such writes, so the cache is never corrupted.
+        """
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in 0..{self.num_layers - 1}, got {layer!r}")
+        B, Hkv, D = self.batch_size, self.num_kv_heads, self.head_dim
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != B or t.shape[2:] != (Hkv, D):
+                shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must have shape [B={B}, T, Hkv={Hkv}, D={D}], got {shape}")
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name} must have the cache's dtype {self.dtype}, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on the cache's device {self.device}, got {t.device}")
+        if k_new.shape != v_new.shape:
+            raise ValueError(f"v_new must have k_new's shape {list(k_new.shape)}, got {list(v_new.shape)}")
+        T = k_new.shape[1]
+        if T > self.max_len:
+            raise ValueError(f"k_new has T={T} new tokens, more than max_len={self.max_len}")
+        qs = None if q_seqlens is None else _as_lengths("q_seqlens", q_seqlens, B, self.device)
+        new_end = self.lengths + (T if qs is None else qs)
+        in_range = (new_end <= self.max_len).all()
+        if qs is not None:
+            in_range = in_range & ((qs >= 0) & (qs <= T)).all()
+        device_check(in_range, f"KVCache.append: writing past max_len={self.max_len} "
+                               f"(lengths + q_seqlens must be <= max_len and 0 <= q_seqlens <= T={T})")
+        backend = resolve_backend("torch" if backend == "reference" else backend, self.device)
+        if backend == "triton":
+            from .kernels.cache import append_triton
+
+            append_triton(self.k[layer], self.v[layer], k_new, v_new, self.lengths, qs)
+            return
+        steps = torch.arange(T, device=self.device)
+        rows = torch.arange(B, device=self.device)[:, None].expand(B, T)
+        if qs is None:
+            source, k_src, v_src = None, k_new, v_new
+        else:
+            # Padding entries t >= q_seqlens[b] rewrite the row's last real entry with the same
+            # value: duplicate indices with identical values keep index_put_ deterministic.
+            source = torch.minimum(steps, (qs[:, None] - 1).clamp(min=0))      # [B, T]
+            gather = source[:, :, None, None].expand(B, T, Hkv, D)
+            k_src, v_src = k_new.gather(1, gather), v_new.gather(1, gather)
+        offsets = steps if source is None else source
+        positions = (self.lengths[:, None] + offsets).clamp(max=self.max_len - 1)  # [B, T]
+        if qs is not None:
+            # A row with q_seqlens = 0 writes nothing: send its entries back onto themselves.
+            empty = (qs == 0)[:, None, None, None]
+            k_src = torch.where(empty, self.k[layer][rows, positions], k_src)
+            v_src = torch.where(empty, self.v[layer][rows, positions], v_src)
+        self.k[layer].index_put_((rows, positions), k_src)
+        self.v[layer].index_put_((rows, positions), v_src)
+
+    def advance(self, q_seqlens: int | torch.Tensor) -> None:
+        """``lengths += q_seqlens`` (an int or a [B] integer tensor); no data is touched.
+
+        Moving past ``max_len`` raises `DeviceCheckError` on CPU (a device assert on CUDA).
+        """
+        step = _as_lengths("q_seqlens", q_seqlens, self.batch_size, self.device)
+        new = self.lengths + step
+        device_check(((new <= self.max_len) & (step >= 0)).all(),
+                     f"KVCache.advance: lengths would leave 0..max_len={self.max_len} (or q_seqlens < 0)")
+        self.lengths.copy_(new)
+
+    def crop(self, new_lengths: int | torch.Tensor) -> None:
+        """Set ``lengths = new_lengths`` (roll back rejected tokens); no data is touched.
+
+        ``new_lengths`` ([B] integer tensor or int) must lie in ``0 .. lengths`` row by row;
+        otherwise `DeviceCheckError` on CPU (a device assert on CUDA) and nothing changes.
+        """
+        new = _as_lengths("new_lengths", new_lengths, self.batch_size, self.device)
+        device_check(((new >= 0) & (new <= self.lengths)).all(),
+                     "KVCache.crop: new_lengths must lie in 0..lengths for every row "
+                     "(crop cannot grow a row)")
+        self.lengths.copy_(new)
+
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """Keep only the rows ``rows`` (to drop finished sequences), IN PLACE; returns ``self``.
+
+        Args:
+            rows: [B'] integer index tensor (any order, repeats allowed), or a [B] bool mask.
+                An index tensor is sync-free; a bool mask is turned into indices with
+                ``nonzero`` (one host synchronization: the new batch size depends on it).
+
+        Every layer's buffers and `lengths` are replaced by new tensors (gathered rows);
+        `batch_size` becomes B'. References to the old tensors keep the old rows.
+        """
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1:
+            raise ValueError(f"rows must be a 1-D index or bool tensor, got "
+                             f"{list(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__}")
+        if rows.device != self.device:
+            raise ValueError(f"rows must be on the cache's device {self.device}, got {rows.device}")
+        if rows.dtype == torch.bool:
+            if rows.shape[0] != self.batch_size:
+                raise ValueError(f"a bool mask rows must have shape [B] = [{self.batch_size}], "
+                                 f"got {list(rows.shape)}")
+            rows = rows.nonzero().squeeze(1)
+        elif rows.is_floating_point() or rows.is_complex():
+            raise ValueError(f"rows must be an integer index tensor or a bool mask, got dtype {rows.dtype}")
+        else:
+            device_check(((rows >= 0) & (rows < self.batch_size)).all(),
+                         f"KVCache.select: rows must index 0..{self.batch_size - 1}")
+        rows = rows.to(torch.int64)
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        self.lengths = self.lengths.index_select(0, rows)
+        self.batch_size = int(rows.shape[0])
+        return self

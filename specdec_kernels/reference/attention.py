@@ -1,0 +1,52 @@
+"""Reference causal attention over a ragged KV cache: one row and one head at a time, in fp32.
+
+Same signature as `specdec_kernels.ragged_attention` (without ``backend``). It reads like the
+definition: query i of row b sits at position ``cache_seqlens[b] - q_seqlens[b] + i`` and
+attends, with an explicit boolean mask, to keys ``0 .. position`` of its own row; rows
+``i >= q_seqlens[b]`` are zero. Only the valid prefix of each cache row is ever sliced, so
+whatever lies beyond ``cache_seqlens[b]`` cannot reach the output. Speed is not a goal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
+                     scale: float | None = None) -> torch.Tensor:
+    """Causal (bottom-right aligned) GQA attention of T new queries per row over a ragged cache.
+
+    Args:
+        q: [B, T, Hq, D] float32 / float16 / bfloat16.
+        k_cache, v_cache: [B, Lmax, Hkv, D], same dtype and device as ``q``; Hq = G * Hkv and
+            query head ``j`` reads KV head ``j // G``.
+        cache_seqlens: [B] integer, valid keys per row including the new tokens, in
+            ``q_seqlens[b] .. Lmax``.
+        q_seqlens: [B] integer in ``1 .. T`` (real queries per row), or None for T.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+
+    Returns:
+        [B, T, Hq, D] in ``q.dtype`` (computed in float32); rows ``i >= q_seqlens[b]`` are zero.
+    """
+    from specdec_kernels.attention import check_ragged_attention_inputs
+
+    B, T, Hq, D, _, Hkv = check_ragged_attention_inputs(q, k_cache, v_cache, cache_seqlens, q_seqlens)
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.zeros(B, T, Hq, D, dtype=q.dtype, device=q.device)
+    for b in range(B):
+        length = int(cache_seqlens[b])
+        n = T if q_seqlens is None else int(q_seqlens[b])
+        qb = q[b, :n].float()                                       # [n, Hq, D]
+        kb = k_cache[b, :length].float().repeat_interleave(G, dim=1)  # [L, Hq, D]
+        vb = v_cache[b, :length].float().repeat_interleave(G, dim=1)  # [L, Hq, D]
+        positions = length - n + torch.arange(n, device=q.device)     # [n]
+        mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
+        scores = torch.einsum("thd,lhd->htl", qb, kb) * scale        # [Hq, n, L]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[b, :n] = torch.einsum("htl,lhd->thd", probs, vb).to(q.dtype)
+    return out

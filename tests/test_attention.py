@@ -1,0 +1,232 @@
+"""ragged_attention: every backend against the fp32 reference (and the reference against a dense
+per-row oracle), forced split / no-split Triton paths, NaN-poisoned caches, bad input, host syncs,
+and bytes moved by the Triton kernels.
+
+Triton runs under the interpreter on CPU, which is slow: its cases keep caches short (<= 300 keys)
+except one split case over a 4100-key cache; the largest shapes (caches of 4160 keys, B = 4) run on
+the reference and torch backends only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec_kernels import ragged_attention
+from specdec_kernels.attention import DeviceCheckError
+from specdec_kernels.testing import SyncCounter, TrafficMeter, assert_close
+
+
+def make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype=torch.float32, seed=0, device="cpu"):
+    """Random q/k/v with NaN in every cache entry at or beyond each row's length and in padding queries."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, G * Hkv, D, generator=gen).to(dtype)
+    k = torch.randn(B, Lmax, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(B, Lmax, Hkv, D, generator=gen).to(dtype)
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int64)
+    q_seqlens = None if q_lens is None else torch.tensor(q_lens, dtype=torch.int32)
+    for b in range(B):
+        k[b, lengths[b]:] = float("nan")
+        v[b, lengths[b]:] = float("nan")
+        if q_lens is not None:
+            q[b, q_lens[b]:] = float("nan")
+    return [x.to(device) if x is not None else None for x in (q, k, v, cache_seqlens, q_seqlens)]
+
+
+def dense_oracle(q, k, v, cache_seqlens, q_seqlens, scale=None):
+    """Independent oracle: SDPA in float64 on each row's valid prefix, queries cut to the real ones."""
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    out = torch.zeros(B, T, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        L = int(cache_seqlens[b])
+        n = T if q_seqlens is None else int(q_seqlens[b])
+        qb = q[b, :n].double().transpose(0, 1)                                  # [Hq, n, D]
+        kb = k[b, :L].double().transpose(0, 1).repeat_interleave(G, dim=0)     # [Hq, L, D]
+        vb = v[b, :L].double().transpose(0, 1).repeat_interleave(G, dim=0)
+        mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+        out[b, :n] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale).transpose(0, 1)
+    return out
+
+
+def reference_fp32(q, k, v, cache_seqlens, q_seqlens):
+    """The reference on fp32 copies of the inputs (the oracle for every dtype)."""
+    return ragged_attention(q.float(), k.float(), v.float(), cache_seqlens, q_seqlens, backend="reference")
+
+
+# (B, T, G, Hkv, D, Lmax, cache_seqlens, q_seqlens, dtype)
+CASES = [
+    pytest.param(1, 1, 1, 1, 64, 16, [1], None, torch.float32, id="B1-T1-G1-D64-L1"),
+    pytest.param(4, 1, 3, 2, 64, 200, [1, 200, 77, 130], None, torch.float32, id="B4-T1-G3-D64-ragged"),
+    pytest.param(3, 2, 4, 2, 80, 150, [2, 150, 61], [2, 1, 2], torch.float32, id="B3-T2-G4-D80-ragged-q"),
+    pytest.param(3, 5, 3, 3, 64, 257, [5, 257, 100], [5, 1, 3], torch.float32, id="B3-T5-G3-D64-ragged-q"),
+    pytest.param(2, 9, 8, 1, 128, 120, [9, 120], [9, 4], torch.float32, id="B2-T9-G8-D128-rowblocks"),
+    pytest.param(2, 17, 1, 2, 80, 90, [17, 90], [17, 6], torch.float32, id="B2-T17-G1-D80-ragged-q"),
+    pytest.param(2, 17, 4, 1, 64, 64, [64, 20], [1, 17], torch.float32, id="B2-T17-G4-D64-Lmax=64"),
+    pytest.param(2, 5, 3, 3, 128, 140, [140, 7], [5, 2], torch.float16, id="B2-T5-G3-D128-fp16"),
+    pytest.param(2, 5, 4, 2, 80, 140, [33, 140], [3, 5], torch.bfloat16, id="B2-T5-G4-D80-bf16"),
+    pytest.param(2, 2, 3, 2, 96, 70, [70, 2], None, torch.float16, id="B2-T2-G3-D96-fp16"),
+]
+
+
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", CASES)
+def test_matches_reference(backend, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend=backend)
+    assert out.shape == q.shape and out.dtype == dtype
+    if backend == "reference":  # the oracle itself is checked against a dense per-row SDPA
+        expected = dense_oracle(q, k, v, cache_seqlens, q_seqlens)
+    else:
+        expected = reference_fp32(q, k, v, cache_seqlens, q_seqlens)
+    assert_close(out, expected, dtype)
+    if q_lens is not None:  # padding rows are exactly zero
+        for b in range(B):
+            assert torch.equal(out[b, q_lens[b]:], torch.zeros_like(out[b, q_lens[b]:]))
+
+
+@pytest.mark.parametrize("split", ["nosplit", "split"])
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", CASES[1:6] + CASES[7:9])
+def test_triton_forced_paths(split, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+    """Both Triton paths on the same inputs: one program per row (no merge) and many splits."""
+    pytest.importorskip("triton")
+    from specdec_kernels.kernels.attention import ragged_attention_triton
+
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    kwargs = dict(max_splits=1) if split == "nosplit" else dict(max_splits=16, min_chunk=16)
+    with TrafficMeter() as meter:
+        out = ragged_attention_triton(q, k, v, cache_seqlens, q_seqlens, 1 / math.sqrt(D), **kwargs)
+    assert meter.num_launches == (1 if split == "nosplit" else 2)
+    expected = reference_fp32(q, k, v, cache_seqlens, q_seqlens)
+    assert_close(out, expected, dtype)
+
+
+def test_custom_scale(backend):
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(2, 3, 2, 2, 64, 40, [40, 9], [3, 2])
+    out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, scale=0.3, backend=backend)
+    assert_close(out, dense_oracle(q, k, v, cache_seqlens, q_seqlens, scale=0.3), torch.float32)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "torch"])
+def test_cache_longer_than_4096(backend_name):
+    """SmolLM2 verification shape over caches past 4096 keys (reference and torch backends)."""
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(4, 5, 3, 3, 64, 4160, [4160, 4097, 5, 2049], [5, 3, 5, 1])
+    out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend=backend_name)
+    assert_close(out, dense_oracle(q, k, v, cache_seqlens, q_seqlens), torch.float32)
+
+
+def test_triton_cache_longer_than_4096_split():
+    """The one long Triton case: 4100 keys, split on device into several chunks, merged."""
+    pytest.importorskip("triton")
+    from specdec_kernels.kernels.attention import ragged_attention_triton
+
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(1, 5, 3, 1, 64, 4100, [4100], [4])
+    with TrafficMeter() as meter:
+        out = ragged_attention_triton(q, k, v, cache_seqlens, q_seqlens, 0.125, max_splits=8)
+    assert meter.num_launches == 2
+    assert_close(out, dense_oracle(q, k, v, cache_seqlens, q_seqlens), torch.float32)
+
+
+def test_auto_on_cpu_is_torch_path():
+    q, k, v, cache_seqlens, _ = make_inputs(2, 1, 3, 1, 64, 30, [30, 4], None)
+    with SyncCounter():
+        auto = ragged_attention(q, k, v, cache_seqlens)
+    torch_path = ragged_attention(q, k, v, cache_seqlens, backend="torch")
+    torch.testing.assert_close(auto, torch_path, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_no_host_sync(backend_name):
+    if backend_name == "triton":
+        pytest.importorskip("triton")
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(3, 5, 3, 2, 64, 100, [100, 5, 60], [5, 1, 4])
+    ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend=backend_name)  # compile outside the counter
+    with SyncCounter() as syncs:
+        ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend=backend_name)
+    assert syncs.count == 0, syncs.events
+
+
+def _minimum_bytes(q, k, cache_seqlens, q_seqlens) -> int:
+    """Valid K/V read once per KV head, real queries read once, the whole output written once."""
+    B, T, Hq, D = q.shape
+    Hkv, el = k.shape[2], q.element_size()
+    real_q = B * T if q_seqlens is None else int(q_seqlens.sum())
+    return int(cache_seqlens.sum()) * Hkv * D * 2 * el + real_q * Hq * D * el + q.numel() * el
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("split", ["nosplit", "split"])
+def test_triton_bytes_moved(split, dtype):
+    """SmolLM2 verify shape (G=3, T=5, D=64): <= 1.15 x the analytic minimum in both paths."""
+    pytest.importorskip("triton")
+    from specdec_kernels.kernels.attention import min_split_keys, ragged_attention_triton
+
+    lengths = [1500, 700, 9, 1200] if split == "split" else [300, 41, 5, 257]
+    q_lens = [5, 2, 5, 1]
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(4, 5, 3, 3, 64, max(lengths), lengths, q_lens, dtype)
+    max_splits = 1 if split == "nosplit" else 8
+    with TrafficMeter() as meter:
+        out = ragged_attention_triton(q, k, v, cache_seqlens, q_seqlens, 0.125, max_splits=max_splits)
+    if split == "split":  # the longest rows really split: more than one chunk of the default size
+        assert max(lengths) > 2 * min_split_keys(dtype, 15, 64)
+    assert meter.num_launches == (1 if split == "nosplit" else 2)
+    minimum = _minimum_bytes(q, k, cache_seqlens, q_seqlens)
+    assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
+    assert meter.bytes_moved >= minimum  # the meter sees every valid K/V element
+    assert_close(out, dense_oracle(q, k, v, cache_seqlens, q_seqlens), dtype)
+
+
+def test_triton_short_caches_launch_no_merge():
+    """When no row can need two splits (short cache), only the forward kernel is launched."""
+    pytest.importorskip("triton")
+    q, k, v, cache_seqlens, _ = make_inputs(2, 1, 3, 3, 64, 200, [200, 3], None)
+    with TrafficMeter() as meter:
+        ragged_attention(q, k, v, cache_seqlens, backend="triton")
+    assert meter.num_launches == 1
+
+
+def _bad(name):
+    """Valid inputs as a dict, with one argument replaced by ``name``'s bad variant."""
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(2, 3, 2, 2, 64, 20, [20, 5], [3, 2])
+    args = dict(q=q, k_cache=k, v_cache=v, cache_seqlens=cache_seqlens, q_seqlens=q_seqlens)
+    bad = {
+        "q-3d": ("q", q[0]),
+        "k-batch": ("k_cache", k[:1]),
+        "k-headdim": ("k_cache", k[..., :32]),
+        "v-shape": ("v_cache", v[:, :10]),
+        "heads-not-multiple": ("q", torch.randn(2, 3, 3, 64)),
+        "k-dtype": ("k_cache", k.half()),
+        "q-int": ("q", q.long()),
+        "k-device": ("k_cache", torch.empty(k.shape, device="meta")),
+        "seqlens-shape": ("cache_seqlens", cache_seqlens[:1]),
+        "seqlens-float": ("cache_seqlens", cache_seqlens.float()),
+        "seqlens-above-Lmax": ("cache_seqlens", torch.tensor([21, 5])),
+        "seqlens-below-qlens": ("cache_seqlens", torch.tensor([20, 1])),
+        "qlens-zero": ("q_seqlens", torch.tensor([0, 2])),
+        "qlens-above-T": ("q_seqlens", torch.tensor([4, 2])),
+        "qlens-shape": ("q_seqlens", torch.tensor([3])),
+    }[name]
+    args[bad[0]] = bad[1]
+    return bad[0], args
+
+
+BAD = ["q-3d", "k-batch", "k-headdim", "v-shape", "heads-not-multiple", "k-dtype", "q-int", "k-device",
+       "seqlens-shape", "seqlens-float", "seqlens-above-Lmax", "seqlens-below-qlens", "qlens-zero",
+       "qlens-above-T", "qlens-shape"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_raises_value_error_naming_argument(backend, case):
+    argument, args = _bad(case)
+    expected = argument if case != "heads-not-multiple" else "Hkv"
+    with pytest.raises(ValueError, match=expected):
+        ragged_attention(**args, backend=backend)
+
+
+def test_value_check_error_is_also_runtime_error():
+    _, args = _bad("seqlens-above-Lmax")
+    with pytest.raises(RuntimeError, match="cache_seqlens"):
+        ragged_attention(**args, backend="torch")
+    assert issubclass(DeviceCheckError, ValueError)

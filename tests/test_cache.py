@@ -1,0 +1,226 @@
+"""KVCache: append at ragged lengths (torch index_put and Triton scatter), advance / crop / select
+round trips keep every accepted entry, overflow is an error that corrupts nothing, no host syncs,
+bytes moved by the append kernel, and an end-to-end decode + verify loop through ragged_attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels import KVCache, ragged_attention
+from specdec_kernels.attention import DeviceCheckError
+from specdec_kernels.testing import SyncCounter, TrafficMeter, assert_close
+
+# The cache has no separate reference: "reference" runs the torch scatter, checked against a Python model.
+APPEND_BACKENDS = ["torch", "triton"]
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+class RowModel:
+    """Plain Python model of a cache: per layer and row, the list of accepted [Hkv, D] entries."""
+
+    def __init__(self, num_layers, batch):
+        self.k = [[[] for _ in range(batch)] for _ in range(num_layers)]
+        self.v = [[[] for _ in range(batch)] for _ in range(num_layers)]
+
+    def append(self, layer, k_new, v_new, q_lens):
+        for b, n in enumerate(q_lens):
+            self.k[layer][b].extend(k_new[b, :n].unbind(0))
+            self.v[layer][b].extend(v_new[b, :n].unbind(0))
+
+    def crop(self, new_lengths):
+        for layer_k, layer_v in zip(self.k, self.v, strict=True):
+            for b, n in enumerate(new_lengths):
+                del layer_k[b][n:], layer_v[b][n:]
+
+    def check(self, cache):
+        assert cache.lengths.tolist() == [len(r) for r in self.k[0]]
+        for layer in range(cache.num_layers):
+            for b in range(cache.batch_size):
+                n = len(self.k[layer][b])
+                if n:
+                    assert torch.equal(cache.k[layer][b, :n], torch.stack(self.k[layer][b]))
+                    assert torch.equal(cache.v[layer][b, :n], torch.stack(self.v[layer][b]))
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("append_backend", APPEND_BACKENDS)
+def test_append_writes_only_real_tokens_at_each_length(append_backend, dtype):
+    cache = KVCache(2, 3, 12, 2, 64, dtype=dtype)
+    cache.lengths.copy_(torch.tensor([0, 4, 7]))
+    before_k, before_v = cache.k[1].clone(), cache.v[1].clone()
+    k_new, v_new = _rand(3, 5, 2, 64, seed=1, dtype=dtype), _rand(3, 5, 2, 64, seed=2, dtype=dtype)
+    q_lens = torch.tensor([5, 2, 0])
+    cache.append(1, k_new, v_new, q_lens, backend=append_backend)
+    expected_k, expected_v = before_k.clone(), before_v.clone()
+    for b, (start, n) in enumerate(zip([0, 4, 7], [5, 2, 0], strict=True)):
+        expected_k[b, start:start + n] = k_new[b, :n]
+        expected_v[b, start:start + n] = v_new[b, :n]
+    assert torch.equal(cache.k[1], expected_k) and torch.equal(cache.v[1], expected_v)
+    assert cache.lengths.tolist() == [0, 4, 7]  # append never moves lengths
+    assert torch.equal(cache.k[0], torch.zeros_like(cache.k[0]))  # other layers untouched
+
+
+@pytest.mark.parametrize("append_backend", APPEND_BACKENDS)
+def test_speculative_round_trips_keep_accepted_entries(append_backend):
+    """Prefill, then steps of append(K+1) / advance / crop(accepted) / select, against a Python model."""
+    gen = torch.Generator().manual_seed(3)
+    L, B, K = 2, 4, 3
+    cache, model = KVCache(L, B, 40, 1, 64), RowModel(L, B)
+    prompt = torch.tensor([3, 1, 5, 2])
+    for step in range(4):
+        T = K + 1 if step else 5
+        q_lens = prompt if step == 0 else torch.full((B,), T)
+        for layer in range(L):
+            k_new, v_new = torch.randn(B, T, 1, 64, generator=gen), torch.randn(B, T, 1, 64, generator=gen)
+            cache.append(layer, k_new, v_new, q_lens, backend=append_backend)
+            model.append(layer, k_new, v_new, q_lens.tolist())
+        cache.advance(q_lens)
+        model.check(cache)
+        if step:
+            accepted = torch.randint(0, K + 1, (B,), generator=gen)  # rejected tail rolled back
+            new_lengths = cache.lengths - (K - accepted)
+            cache.crop(new_lengths)
+            model.crop(new_lengths.tolist())
+            model.check(cache)
+    rows = torch.tensor([2, 0, 3])  # drop row 1, reorder
+    cache.select(rows)
+    model.k = [[layer[i] for i in rows.tolist()] for layer in model.k]
+    model.v = [[layer[i] for i in rows.tolist()] for layer in model.v]
+    assert cache.batch_size == 3 and cache.k[0].shape[0] == 3
+    model.check(cache)
+    cache.select(torch.tensor([True, False, True]))  # bool mask
+    model.k = [[layer[0], layer[2]] for layer in model.k]
+    model.v = [[layer[0], layer[2]] for layer in model.v]
+    model.check(cache)
+
+
+@pytest.mark.parametrize("append_backend", APPEND_BACKENDS)
+def test_append_past_max_len_raises_and_corrupts_nothing(append_backend):
+    cache = KVCache(1, 2, 8, 1, 64)
+    cache.lengths.copy_(torch.tensor([6, 2]))
+    k_new = _rand(2, 3, 1, 64)
+    with pytest.raises(DeviceCheckError, match="max_len"):
+        cache.append(0, k_new, k_new, backend=append_backend)
+    with pytest.raises(RuntimeError, match="max_len"):  # also a RuntimeError, like torch._assert_async
+        cache.append(0, k_new, k_new, torch.tensor([3, 1]), backend=append_backend)
+    assert torch.equal(cache.k[0], torch.zeros_like(cache.k[0]))
+    cache.append(0, k_new, k_new, torch.tensor([2, 3]), backend=append_backend)  # exactly fills row 0
+    assert torch.equal(cache.k[0][0, 6:], k_new[0, :2])
+    with pytest.raises(ValueError, match="max_len"):
+        cache.advance(torch.tensor([3, 0]))
+
+
+def test_triton_append_kernel_masks_overflow():
+    """Even without the assert, the scatter kernel drops writes past max_len (no wrap, no corruption)."""
+    pytest.importorskip("triton")
+    from specdec_kernels.kernels.cache import append_triton
+
+    k_cache, v_cache = torch.zeros(2, 8, 1, 64), torch.zeros(2, 8, 1, 64)
+    k_new = _rand(2, 3, 1, 64)
+    append_triton(k_cache, v_cache, k_new, k_new, torch.tensor([6, 0]), None)
+    assert torch.equal(k_cache[0, 6:], k_new[0, :2]) and torch.equal(k_cache[0, :6], torch.zeros(6, 1, 64))
+    assert torch.equal(k_cache[1, :3], k_new[1]) and torch.equal(k_cache[1, 3:], torch.zeros(5, 1, 64))
+
+
+def test_crop_and_advance():
+    cache = KVCache(1, 3, 10, 1, 64)
+    lengths = cache.lengths
+    cache.advance(4)
+    cache.advance(torch.tensor([1, 0, 2]))
+    assert cache.lengths.tolist() == [5, 4, 6] and cache.lengths is lengths  # updated in place
+    cache.crop(torch.tensor([5, 1, 0]))
+    assert cache.lengths.tolist() == [5, 1, 0]
+    with pytest.raises(DeviceCheckError, match="new_lengths"):
+        cache.crop(torch.tensor([6, 1, 0]))  # crop cannot grow a row
+    with pytest.raises(ValueError, match="new_lengths"):
+        cache.crop(torch.tensor([-1, 1, 0]))
+    assert cache.lengths.tolist() == [5, 1, 0]
+    cache.crop(0)
+    assert cache.lengths.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("append_backend", APPEND_BACKENDS)
+def test_no_host_sync(append_backend):
+    cache = KVCache(2, 3, 16, 1, 64)
+    k_new = _rand(3, 4, 1, 64)
+    q_lens = torch.tensor([4, 1, 2])
+    cache.append(0, k_new, k_new, q_lens, backend=append_backend)  # compile outside the counter
+    with SyncCounter() as syncs:
+        cache.append(1, k_new, k_new, q_lens, backend=append_backend)
+        cache.append(1, k_new, k_new, backend=append_backend)
+        cache.advance(q_lens)
+        cache.crop(cache.lengths - 1)
+        cache.select(torch.tensor([2, 0]))
+    assert syncs.count == 0, syncs.events
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_triton_append_bytes_moved(dtype):
+    """The scatter reads and writes each real new entry once: 4 x (sum q_seqlens) x Hkv x D elements."""
+    pytest.importorskip("triton")
+    cache = KVCache(1, 4, 32, 3, 64, dtype=dtype)
+    k_new = _rand(4, 5, 3, 64, dtype=dtype)
+    q_lens = torch.tensor([5, 1, 3, 2])
+    with TrafficMeter() as meter:
+        cache.append(0, k_new, k_new, q_lens, backend="triton")
+    minimum = 4 * int(q_lens.sum()) * 3 * 64 * k_new.element_size()
+    assert meter.num_launches == 1
+    assert minimum <= meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
+
+
+@pytest.mark.parametrize("case", ["layer", "shape", "dtype", "device", "q_seqlens", "T"])
+def test_bad_arguments(case):
+    cache = KVCache(2, 2, 8, 1, 64)
+    k_new = torch.zeros(2, 3, 1, 64)
+    args, expected = dict(layer=0, k_new=k_new, v_new=k_new, q_seqlens=None), case
+    if case == "layer":
+        args["layer"] = 2
+    elif case == "shape":
+        args["k_new"], expected = torch.zeros(2, 3, 2, 64), "k_new"
+    elif case == "dtype":
+        args["v_new"], expected = k_new.half(), "v_new"
+    elif case == "device":
+        args["k_new"], expected = torch.empty(k_new.shape, device="meta"), "k_new"
+    elif case == "q_seqlens":
+        args["q_seqlens"] = torch.tensor([1.0, 2.0])
+    else:
+        args["k_new"] = args["v_new"] = torch.zeros(2, 9, 1, 64)
+        expected = "max_len"
+    with pytest.raises(ValueError, match=expected):
+        cache.append(**args)
+    with pytest.raises(ValueError, match="rows"):
+        cache.select(torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="max_len"):
+        KVCache(1, 1, 0, 1, 64)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_decode_and_verify_through_cache_match_full_recompute(path):
+    """Prefill 7 tokens, decode 2 steps (T=1), verify once (T=4, ragged q_seqlens), crop:
+    each attention output equals the reference over the row's whole accepted history."""
+    gen = torch.Generator().manual_seed(7)
+    B, Hkv, G, D = 2, 1, 3, 64
+    cache, model = KVCache(1, B, 24, Hkv, D), RowModel(1, B)
+    for T, q_lens in [(7, torch.tensor([7, 4])), (1, None), (1, None), (4, torch.tensor([4, 2]))]:
+        q = torch.randn(B, T, G * Hkv, D, generator=gen)
+        k_new, v_new = torch.randn(B, T, Hkv, D, generator=gen), torch.randn(B, T, Hkv, D, generator=gen)
+        n = q_lens if q_lens is not None else torch.full((B,), T)
+        cache.append(0, k_new, v_new, q_lens, backend=path)
+        model.append(0, k_new, v_new, n.tolist())
+        out = ragged_attention(q, cache.k[0], cache.v[0], cache.lengths + n, q_lens, backend=path)
+        for b in range(B):
+            keys, values = torch.stack(model.k[0][b])[None], torch.stack(model.v[0][b])[None]
+            rows = int(n[b])
+            expected = ragged_attention(q[b:b + 1, :rows], keys, values, torch.tensor([keys.shape[1]]),
+                                        backend="reference")
+            assert_close(out[b, :rows], expected[0], torch.float32)
+        cache.advance(n)
+    cache.crop(cache.lengths - torch.tensor([2, 0]))
+    assert cache.lengths.tolist() == [11, 8]
