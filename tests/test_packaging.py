@@ -41,7 +41,7 @@ def test_wheel_installs_and_imports(wheel, tmp_path):
 
 
 def test_main_job_prints_environment():
-    proc = subprocess.run([sys.executable, "-m", "specdec_kernels"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "specdec_kernels", "env"], capture_output=True, text=True,
                           check=True)
     assert "torch" in proc.stdout and "backend per op" in proc.stdout
 

@@ -1,0 +1,513 @@
+"""Batched autoregressive and speculative generation over the package's model protocol.
+
+A model is any callable ``model(input_ids [B, T], cache, q_seqlens=None) -> logits [B, T, V]``
+that appends its keys and values at each row's own cache length and advances
+``cache.lengths``, with ``model.vocab_size`` and ``model.new_cache(batch_size, max_len)``
+returning a cache that has ``lengths`` [B], ``crop(lengths)`` and ``select(rows)``
+(`specdec_kernels.KVCache`; `specdec_kernels.Llama` is the built-in model).
+
+Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
+reads a device value on the host except the one "which rows are done?" check, which
+also drops finished rows from the batch so they stop costing compute.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import rejection_sample_logits, sample_logits
+
+
+# --------------------------------------------------------------------------- results
+
+@dataclass
+class GenerationStats:
+    """What a generation run did. Tensors are [B] int64 on the CPU, in input row order.
+
+    Attributes:
+        num_generated: tokens generated per row (EOS included, if emitted).
+        num_steps: decoding steps per row (target forwards after the prefill).
+        num_proposed: draft tokens proposed per row (speculative only).
+        num_accepted: draft tokens accepted per row (speculative only).
+        target_forwards, draft_forwards: batched forward calls, prefill included.
+        time_target_s, time_draft_s, time_sampler_s, time_total_s: wall time per phase.
+    """
+
+    num_generated: torch.Tensor
+    num_steps: torch.Tensor
+    num_proposed: torch.Tensor
+    num_accepted: torch.Tensor
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    time_target_s: float = 0.0
+    time_draft_s: float = 0.0
+    time_sampler_s: float = 0.0
+    time_total_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens over the whole batch (nan without proposals)."""
+        proposed = int(self.num_proposed.sum())
+        return int(self.num_accepted.sum()) / proposed if proposed else float("nan")
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        """Generated tokens per decoding step, averaged over the batch's rows (the first token,
+        which comes from the prefill, is not counted)."""
+        steps = int(self.num_steps.sum())
+        return (int(self.num_generated.sum()) - len(self.num_generated)) / steps if steps else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return int(self.num_generated.sum()) / self.time_total_s if self.time_total_s else float("nan")
+
+
+@dataclass
+class GenerationOutput:
+    """Generated tokens and statistics.
+
+    Attributes:
+        tokens: [B, max_new_tokens] int64, each row's generated tokens then ``pad_token_id``.
+        sequences: [B, P + max_new_tokens] int64, ``input_ids`` followed by ``tokens``.
+        stats: `GenerationStats`.
+    """
+
+    tokens: torch.Tensor
+    sequences: torch.Tensor
+    stats: GenerationStats
+
+    def row_tokens(self, row: int) -> list[int]:
+        """Generated token ids of ``row`` (without padding)."""
+        return self.tokens[row, : int(self.stats.num_generated[row])].tolist()
+
+
+# --------------------------------------------------------------------------- drafts
+
+@dataclass
+class PromptLookupDraft:
+    """Model-free draft: propose the tokens that followed the most recent earlier occurrence of
+    the context's last n-gram (prompt lookup decoding). Tries n = max_ngram down to min_ngram;
+    rows without a match propose nothing that step. Proposals are deterministic (no draft
+    probabilities), so verification accepts a draft exactly when the target would sample it."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+    def propose(self, context: torch.Tensor, context_lengths: torch.Tensor, k: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Propose up to ``k`` tokens per row, sync-free.
+
+        Args:
+            context: [B, L] int64 token history; row b's first ``context_lengths[b]`` are real.
+            context_lengths: [B] int64.
+            k: tokens to propose at most.
+
+        Returns:
+            (draft_token_ids [B, k] int64, zero-padded; num_draft_tokens [B] int64 in [0, k]).
+        """
+        B, L = context.shape
+        device = context.device
+        found = torch.zeros(B, dtype=torch.bool, device=device)
+        start = torch.zeros(B, dtype=torch.int64, device=device)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if n >= L:
+                continue
+            tail = context.gather(1, (context_lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
+            windows = context.unfold(1, n, 1)  # [B, L - n + 1, n]
+            match = (windows == tail[:, None, :]).all(-1)
+            # A match must end before the tail itself, so that a continuation exists.
+            starts = torch.arange(L - n + 1, device=device)
+            match &= starts[None, :] + n < context_lengths[:, None]
+            match &= (context_lengths >= n + 1)[:, None]
+            latest = torch.where(match, starts[None, :], -1).amax(1)  # most recent occurrence
+            take = (latest >= 0) & ~found
+            start = torch.where(take, latest + n, start)
+            found |= take
+        num = torch.where(found, (context_lengths - start).clamp(max=k), 0)
+        offsets = torch.arange(k, device=device)
+        ids = context.gather(1, (start[:, None] + offsets).clamp(max=L - 1))
+        return torch.where(offsets < num[:, None], ids, 0), num
+
+
+# --------------------------------------------------------------------------- helpers
+
+class _PhaseTimer:
+    """Wall time per phase: host clocks on CPU, CUDA events on GPU (read once at the end, so
+    timing adds no synchronization inside the loop)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host: dict[str, float] = {}
+        self.events: dict[str, list] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.setdefault(phase, []).append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.host[phase] = self.host.get(phase, 0.0) + time.perf_counter() - t0
+
+    def seconds(self, phase: str) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(s.elapsed_time(e) for s, e in self.events.get(phase, [])) / 1e3
+        return self.host.get(phase, 0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _supports_last_only_type(forward) -> bool:
+    try:
+        return "last_only" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _supports_last_only(model) -> bool:
+    """Whether ``model`` can return only each row's last logits (saves the full [B, T, V] head)."""
+    forward = getattr(type(model), "forward", None) or getattr(type(model), "__call__", None)
+    return _supports_last_only_type(forward)
+
+
+def _last_logits(model, input_ids, cache, q_seqlens=None) -> torch.Tensor:
+    """[B, V] logits at each row's last real input position (``q_seqlens`` None: position T-1)."""
+    if _supports_last_only(model):
+        return model(input_ids, cache, q_seqlens, last_only=True)[:, -1]
+    logits = model(input_ids, cache, q_seqlens)
+    if q_seqlens is None:
+        return logits[:, -1]
+    index = (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
+    return logits.gather(1, index)[:, 0]
+
+
+@dataclass
+class _Request:
+    """Validated generation arguments, shared by both loops."""
+
+    prompt: torch.Tensor  # [B, P] real tokens first (right-padded with 0)
+    prompt_lengths: torch.Tensor  # [B]
+    max_new_tokens: int
+    max_len: int
+    eos: torch.Tensor  # [E] int64 (may be empty)
+    sample: Callable[[torch.Tensor], torch.Tensor]
+    sampling: dict = field(default_factory=dict)
+    generator: torch.Generator | None = None
+
+
+def _check_model(model, name: str) -> None:
+    for attribute in ("vocab_size", "new_cache"):
+        if not hasattr(model, attribute):
+            raise TypeError(f"{name} must follow the model protocol (callable with .vocab_size and "
+                            f".new_cache(batch_size, max_len)); it has no {attribute!r}")
+
+
+def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+             seed, max_cache_len, lookahead: int) -> _Request:
+    """Validate arguments (on the host, once, before the loop) and compact prompts to the left."""
+    _check_model(model, "model")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [B, P] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be int64 or int32, got {input_ids.dtype}")
+    B, P = input_ids.shape
+    if B == 0 or P == 0:
+        raise ValueError(f"input_ids must hold at least one non-empty prompt, got shape {tuple(input_ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a float >= 0 (0 means greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    mask = attention_mask.to(device=input_ids.device) != 0
+    lengths = mask.sum(1)
+    if (lengths == 0).any():
+        raise ValueError(f"input_ids rows {(lengths == 0).nonzero().flatten().tolist()} are empty prompts "
+                         "(attention_mask has no ones there)")
+    if ((mask[:, 1:] != mask[:, :-1]).sum(1) > 1).any():
+        raise ValueError("attention_mask must mark one contiguous block per row (left or right padding)")
+    vocab = model.vocab_size
+    real = input_ids[mask]
+    if ((real < 0) | (real >= vocab)).any():
+        raise ValueError(f"input_ids must be in [0, {vocab}) where attention_mask is 1")
+    needed = int(lengths.max()) + max_new_tokens + lookahead
+    if max_cache_len is None:
+        max_cache_len = needed
+    elif max_cache_len < needed:
+        raise ValueError(f"max_cache_len={max_cache_len} is too small: the longest prompt "
+                         f"({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) needs {needed}")
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None and int(lengths.max()) + max_new_tokens > limit:
+        raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's max_position_embeddings ({limit})")
+    eos = torch.tensor([] if eos_token_id is None else
+                       [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+                       dtype=torch.int64, device=input_ids.device)
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real tokens first
+    prompt = torch.where(torch.arange(P, device=input_ids.device) < lengths[:, None],
+                         input_ids.gather(1, order), 0).long()
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
+    return _Request(prompt, lengths, max_new_tokens, max_cache_len, eos,
+                    lambda logits: sample_logits(logits, **sampling, generator=generator), sampling, generator)
+
+
+class _Outputs:
+    """Generated tokens in input row order, written sync-free at each row's own offset."""
+
+    def __init__(self, batch_size: int, max_new_tokens: int, device: torch.device) -> None:
+        self.max_new = max_new_tokens
+        # One spare column takes the writes that fall past a row's end (after EOS or budget).
+        self.tokens = torch.full((batch_size, max_new_tokens + 1), -1, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(batch_size, dtype=torch.int64, device=device)
+
+    def write(self, rows: torch.Tensor, new: torch.Tensor, num_new: torch.Tensor, eos: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``new`` [b, T] (first ``num_new`` valid) to ``rows``; stop rows at EOS or budget.
+
+        Returns (kept [b, T] bool: which new tokens were written, done [b] bool)."""
+        offsets = torch.arange(new.shape[1], device=new.device)
+        counts = self.counts[rows]
+        kept = (offsets < num_new[:, None]) & (counts[:, None] + offsets < self.max_new)
+        is_eos = torch.isin(new, eos) & kept
+        kept &= (is_eos.cumsum(1) - is_eos.long()) == 0  # nothing after the first EOS
+        columns = torch.where(kept, counts[:, None] + offsets, self.max_new)
+        self.tokens[rows[:, None], columns] = new
+        counts = counts + kept.sum(1)
+        self.counts[rows] = counts
+        return kept, is_eos.any(1) | (counts >= self.max_new)
+
+
+def _finish(request: _Request, input_ids, outputs: _Outputs, stats: GenerationStats, timer, t_start,
+            pad_token_id) -> GenerationOutput:
+    tokens = outputs.tokens[:, : request.max_new_tokens]
+    pad = pad_token_id if pad_token_id is not None else (int(request.eos[0]) if len(request.eos) else 0)
+    tokens = torch.where(tokens < 0, pad, tokens)
+    stats.time_target_s, stats.time_draft_s, stats.time_sampler_s = (
+        timer.seconds("target"), timer.seconds("draft"), timer.seconds("sampler"))
+    stats.num_generated = outputs.counts.cpu()
+    stats.time_total_s = time.perf_counter() - t_start
+    return GenerationOutput(tokens, torch.cat([input_ids.long(), tokens], 1), stats)
+
+
+def _new_stats(batch_size: int, device) -> GenerationStats:
+    zeros = lambda: torch.zeros(batch_size, dtype=torch.int64, device=device)
+    return GenerationStats(zeros(), zeros(), zeros(), zeros())
+
+
+def _rows_still_running(done: torch.Tensor) -> list[int]:
+    """The loop's one host synchronization per step: which batch positions are still running."""
+    return [i for i, d in enumerate(done.tolist()) if not d]
+
+
+# --------------------------------------------------------------------------- plain generation
+
+@torch.inference_mode()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+             max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
+             pad_token_id: int | None = None, seed: int | None = None,
+             max_cache_len: int | None = None) -> GenerationOutput:
+    """Plain autoregressive generation (the baseline speculative decoding must match).
+
+    Args:
+        model: a model following the protocol (see the module docstring).
+        input_ids: [B, P] int64 prompts, left- or right-padded.
+        attention_mask: [B, P], 1 on real tokens (None: no padding).
+        max_new_tokens: tokens to generate per row at most (>= 1).
+        temperature: 0 means greedy; top_k / top_p filter as in `specdec_kernels.process_logits`.
+        eos_token_id: an id or ids that end a row (the EOS token is kept in the output).
+        pad_token_id: fills ``tokens`` past each row's end (default: the first EOS id, else 0).
+        seed: seeds a private generator (same seed, same tokens); None uses torch's global RNG.
+        max_cache_len: KV-cache capacity per row (default: longest prompt + max_new_tokens).
+
+    Returns:
+        `GenerationOutput` with ``tokens`` [B, max_new_tokens] and ``stats``.
+    """
+    t_start = time.perf_counter()
+    request = _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
+                       eos_token_id, seed, max_cache_len, lookahead=0)
+    device, B = input_ids.device, input_ids.shape[0]
+    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
+    rows = torch.arange(B, device=device)  # input row of each batch position
+    cache = model.new_cache(B, request.max_len)
+    with timer("target"):
+        logits = _last_logits(model, request.prompt, cache, request.prompt_lengths)
+    stats.target_forwards += 1
+    while True:
+        with timer("sampler"):
+            token = request.sample(logits)
+        _, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
+        running = _rows_still_running(done)
+        if not running:
+            break
+        if len(running) < len(rows):
+            keep = torch.tensor(running, device=device)
+            rows, token, cache = rows[keep], token[keep], cache.select(keep)
+        stats.num_steps[rows] += 1
+        with timer("target"):
+            logits = _last_logits(model, token[:, None], cache)
+        stats.target_forwards += 1
+    stats.num_steps = stats.num_steps.cpu()
+    stats.num_proposed, stats.num_accepted = stats.num_proposed.cpu(), stats.num_accepted.cpu()
+    return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
+
+
+# --------------------------------------------------------------------------- speculative generation
+
+@torch.inference_mode()
+def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         *, num_draft_tokens: int = 4, max_new_tokens: int, temperature: float = 1.0,
+                         top_k: int | None = None, top_p: float | None = None,
+                         eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                         seed: int | None = None, max_cache_len: int | None = None) -> GenerationOutput:
+    """Lossless speculative decoding, batched over ragged prompts and ragged acceptance.
+
+    Each step the draft proposes ``num_draft_tokens`` (K) tokens per row, the target scores all
+    K+1 positions in one forward, and `rejection_sample_logits` keeps the longest prefix that
+    sampling the target alone would have produced, plus one corrected or bonus token. Rows
+    finish independently; finished rows are dropped from the batch.
+
+    Args:
+        target: the model whose distribution is reproduced exactly.
+        draft: a model sharing the target's vocabulary (it samples from the same processed
+            distribution the sampler is given), or ``"prompt_lookup"`` / a `PromptLookupDraft`
+            (model-free n-gram proposals; rows without a match propose nothing).
+        num_draft_tokens: K >= 1 tokens proposed per step.
+        other arguments: as in `generate`.
+
+    Returns:
+        `GenerationOutput`; ``stats`` has acceptance counts, forward counts and phase times.
+    """
+    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    if draft == "prompt_lookup":
+        draft = PromptLookupDraft()
+    lookup = isinstance(draft, PromptLookupDraft)
+    if not lookup:
+        _check_model(draft, "draft")
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft.vocab_size}, "
+                             f"target.vocab_size={target.vocab_size}")
+    K = num_draft_tokens
+    t_start = time.perf_counter()
+    request = _prepare(target, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
+                       eos_token_id, seed, max_cache_len, lookahead=K + 1)
+    device, B = input_ids.device, input_ids.shape[0]
+    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
+    rows = torch.arange(B, device=device)
+    steps = torch.arange(K + 1, device=device)
+
+    target_cache = target.new_cache(B, request.max_len)
+    with timer("target"):
+        logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths)
+    stats.target_forwards += 1
+    if lookup:  # token history: prompt, then everything emitted
+        context = torch.zeros(B, request.prompt.shape[1] + max_new_tokens + K + 1, dtype=torch.int64, device=device)
+        context[:, : request.prompt.shape[1]] = request.prompt
+        context_lengths = request.prompt_lengths.clone()
+    else:
+        draft_cache = draft.new_cache(B, request.max_len)
+        with timer("draft"):
+            _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths)
+        stats.draft_forwards += 1
+        # Tokens the draft has not seen yet: [second to last (if the draft skipped it), last].
+        pending = torch.zeros(B, 2, dtype=torch.int64, device=device)
+        pending_lengths = torch.ones(B, dtype=torch.int64, device=device)
+    with timer("sampler"):
+        last = request.sample(logits)
+    _, done = outputs.write(rows, last[:, None], torch.ones_like(last), request.eos)
+    if lookup:
+        context.scatter_(1, context_lengths[:, None], last[:, None])
+        context_lengths += 1
+    else:
+        pending[:, 0] = last
+
+    while True:
+        running = _rows_still_running(done)
+        if not running:
+            break
+        if len(running) < len(rows):
+            keep = torch.tensor(running, device=device)
+            rows, last, target_cache = rows[keep], last[keep], target_cache.select(keep)
+            if lookup:
+                context, context_lengths = context[keep], context_lengths[keep]
+            else:
+                draft_cache, pending, pending_lengths = draft_cache.select(keep), pending[keep], pending_lengths[keep]
+        b = len(rows)
+
+        # 1. Draft K tokens.
+        with timer("draft"):
+            if lookup:
+                draft_ids, num_drafts = draft.propose(context, context_lengths, K)
+                draft_logits = None
+            else:
+                draft_start = draft_cache.lengths.clone()
+                step_logits = _last_logits(draft, pending, draft_cache, pending_lengths)
+                draft_logits = torch.empty(b, K, target.vocab_size, dtype=step_logits.dtype, device=device)
+                draft_ids = torch.empty(b, K, dtype=torch.int64, device=device)
+                for i in range(K):
+                    draft_logits[:, i] = step_logits
+                    draft_ids[:, i] = request.sample(step_logits)
+                    if i + 1 < K:
+                        step_logits = _last_logits(draft, draft_ids[:, i: i + 1], draft_cache)
+                num_drafts = torch.full((b,), K, dtype=torch.int64, device=device)
+        stats.draft_forwards += 0 if lookup else K
+
+        # 2. Verify: the target scores the last token and the drafts in one forward.
+        with timer("target"):
+            target_start = target_cache.lengths.clone()
+            target_logits = target(torch.cat([last[:, None], draft_ids], 1), target_cache, num_drafts + 1)
+        stats.target_forwards += 1
+
+        # 3. Accept a prefix, emit one corrected or bonus token.
+        with timer("sampler"):
+            result = rejection_sample_logits(target_logits, draft_logits, draft_ids, num_drafts,
+                                             **request.sampling, generator=request.generator, validate=False)
+        accepted, emitted = result.num_accepted, result.token_ids
+        last = emitted.gather(1, accepted[:, None])[:, 0]
+
+        # 4. Roll caches back to what was accepted (lengths only) and record the output.
+        target_cache.crop(target_start + accepted + 1)
+        if lookup:
+            _, done = outputs.write(rows, emitted, accepted + 1, request.eos)
+            columns = torch.where(steps < accepted[:, None] + 1, context_lengths[:, None] + steps, context.shape[1] - 1)
+            context.scatter_(1, columns, emitted.clamp(min=0))
+            context_lengths += accepted + 1
+        else:
+            # The draft saw pending + drafts 1..K-1: keep pending + the accepted ones it saw.
+            draft_cache.crop(draft_start + pending_lengths + accepted.clamp(max=K - 1))
+            all_accepted = accepted == K
+            pending = torch.stack([torch.where(all_accepted, draft_ids[:, -1], last), last], 1)
+            pending_lengths = 1 + all_accepted.long()
+            _, done = outputs.write(rows, emitted, accepted + 1, request.eos)
+        stats.num_steps[rows] += 1
+        stats.num_proposed[rows] += num_drafts
+        stats.num_accepted[rows] += accepted
+    stats.num_steps = stats.num_steps.cpu()
+    stats.num_proposed, stats.num_accepted = stats.num_proposed.cpu(), stats.num_accepted.cpu()
+    return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)

