@@ -12,16 +12,43 @@ Every op takes ``backend="auto" | "reference" | "torch" | "triton"``; see
 from ._backend import BACKENDS, auto_backend, interpreter_enabled, resolve_backend, triton_available
 from .attention import ragged_attention
 from .cache import KVCache
+from .generation import GenerationOutput, GenerationStats, PromptLookupDraft, generate, speculative_generate
+from .model import Llama, LlamaConfig
+from .sampling import (
+    RejectionNoise,
+    RejectionOutput,
+    first_rejection_index,
+    make_rejection_noise,
+    process_logits,
+    rejection_sample,
+    rejection_sample_logits,
+    sample_logits,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "GenerationOutput",
+    "GenerationStats",
+    "Llama",
+    "LlamaConfig",
+    "PromptLookupDraft",
     "KVCache",
+    "RejectionNoise",
+    "RejectionOutput",
     "__version__",
     "auto_backend",
+    "first_rejection_index",
+    "generate",
     "interpreter_enabled",
+    "make_rejection_noise",
+    "process_logits",
     "ragged_attention",
+    "rejection_sample",
+    "rejection_sample_logits",
     "resolve_backend",
+    "sample_logits",
+    "speculative_generate",
     "triton_available",
 ]
