@@ -162,10 +162,14 @@ def _ragged_attn_merge_kernel(
 
 def attention_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict[str, int | bool]:
     """Block sizes and warps for ``rows = G * T`` packed query rows (shared by launcher and registry)."""
-    BM = min(64, max(16, triton.next_power_of_2(rows)))
+    # Sized so that every registered specialization compiles without spills for sm_80 / sm_90
+    # even without alignment hints (the compile check passes none): at most 32 packed rows per
+    # tile (16 for fp32, whose BM=32 tile spills on sm_90); more rows take more row blocks, each
+    # re-reading K/V. 32 keys per step, 8 warps.
+    BM = min(16 if dtype == torch.float32 else 32, max(16, triton.next_power_of_2(rows)))
     BD = max(16, triton.next_power_of_2(head_dim))
-    BN = 64 if BM <= 32 and dtype != torch.float32 else 32
-    num_warps = 4 if BM * BD <= 32 * 128 else 8
+    BN = 32
+    num_warps = 8
     # The Triton interpreter (3.x) computes bf16 tl.dot wrongly; there, and only there, bf16 tiles
     # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
     dot_f32 = dtype == torch.bfloat16 and interpreter_enabled()
@@ -253,7 +257,7 @@ def _register() -> None:
         ptr = torch_dtype_to_triton(dtype)
         for D in HEAD_DIMS:
             seen = set()
-            for rows in (1, 17, 33):  # one packed-row count per row-block size the launcher can pick
+            for rows in (1, 17):  # one packed-row count per row-block size the launcher can pick
                 cfg = attention_config(dtype, D, rows)
                 if cfg["BM"] in seen:
                     continue

@@ -161,7 +161,7 @@ def _minimum_bytes(q, k, cache_seqlens, q_seqlens) -> int:
 def test_triton_bytes_moved(split, dtype):
     """SmolLM2 verify shape (G=3, T=5, D=64): <= 1.15 x the analytic minimum in both paths."""
     pytest.importorskip("triton")
-    from specdec_kernels.kernels.attention import min_split_keys, ragged_attention_triton
+    from specdec_kernels.kernels.attention import attention_config, min_split_keys, ragged_attention_triton
 
     lengths = [1500, 700, 9, 1200] if split == "split" else [300, 41, 5, 257]
     q_lens = [5, 2, 5, 1]
@@ -170,7 +170,7 @@ def test_triton_bytes_moved(split, dtype):
     with TrafficMeter() as meter:
         out = ragged_attention_triton(q, k, v, cache_seqlens, q_seqlens, 0.125, max_splits=max_splits)
     if split == "split":  # the longest rows really split: more than one chunk of the default size
-        assert max(lengths) > 2 * min_split_keys(dtype, 15, 64)
+        assert max(lengths) > 2 * min_split_keys(dtype, 15, attention_config(dtype, 64, 15)["BN"])
     assert meter.num_launches == (1 if split == "nosplit" else 2)
     minimum = _minimum_bytes(q, k, cache_seqlens, q_seqlens)
     assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)

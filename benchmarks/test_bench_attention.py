@@ -1,0 +1,67 @@
+"""ragged_attention against torch's scaled_dot_product_attention on the same inputs.
+
+SmolLM2-135M attention shapes (Hq = 9, Hkv = 3, D = 64), decode (T = 1) and verification
+(T = 5), batch 1 and 8, ragged cache lengths around 512 and 4096 (each row's length drawn from
+L - 32 .. L + 31, cache capacity L + 64). The baseline gets everything prebuilt: the boolean mask
+[B, 1, T, Lmax] and [B, H, L, D] views; our time includes building our own mask. Each shape is one
+pytest-benchmark group, so the table shows the two side by side; the ratio is ours / SDPA.
+
+    python -m pytest benchmarks/test_bench_attention.py --benchmark-group-by=group
+
+On CUDA the Triton kernel is benchmarked against SDPA in the same way (CUDA-event medians in
+``extra_info``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.timing import bench
+from specdec_kernels import ragged_attention
+
+HQ, HKV, D = 9, 3, 64
+SHAPES = [pytest.param(B, T, L, id=f"B{B}-T{T}-L{L}") for L in (512, 4096) for B in (1, 8) for T in (1, 5)]
+
+
+def make_case(B, T, L, device="cpu", dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    Lmax = L + 64
+    q = torch.randn(B, T, HQ, D, generator=gen).to(device, dtype)
+    k = torch.randn(B, Lmax, HKV, D, generator=gen).to(device, dtype)
+    v = torch.randn(B, Lmax, HKV, D, generator=gen).to(device, dtype)
+    cache_seqlens = torch.randint(L - 32, L + 32, (B,), generator=gen).to(device)
+    q_seqlens = torch.full((B,), T, device=device)
+    positions = cache_seqlens[:, None] - T + torch.arange(T, device=device)            # [B, T]
+    mask = (torch.arange(Lmax, device=device) <= positions[:, :, None])[:, None]        # [B, 1, T, Lmax]
+    return q, k, v, cache_seqlens, q_seqlens, mask
+
+
+def sdpa_baseline(q, k, v, mask):
+    """The baseline: one SDPA call with a prebuilt boolean mask and GQA, [B, T, Hq, D] out."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+
+@pytest.mark.parametrize("B,T,L", SHAPES)
+@pytest.mark.parametrize("impl", ["ragged_attention", "sdpa"])
+def test_cpu(benchmark, impl, B, T, L):
+    q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L)
+    ours = lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
+    torch.testing.assert_close(ours(), sdpa_baseline(q, k, v, mask), rtol=1e-4, atol=1e-4)
+    benchmark.group = f"cpu B{B}-T{T}-L{L}"
+    bench(benchmark, ours if impl == "ragged_attention" else (lambda: sdpa_baseline(q, k, v, mask)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
+@pytest.mark.parametrize("B,T,L", SHAPES)
+@pytest.mark.parametrize("impl", ["ragged_attention", "sdpa"])
+def test_cuda(benchmark, impl, B, T, L, dtype):
+    q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L, "cuda", dtype)
+    ours = lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="triton")
+    torch.testing.assert_close(ours(), sdpa_baseline(q, k, v, mask), rtol=2e-3, atol=2e-3)
+    benchmark.group = f"cuda B{B}-T{T}-L{L}"
+    baseline = lambda: sdpa_baseline(q, k, v, mask)
+    bench(benchmark, ours if impl == "ragged_attention" else baseline, cuda=True)
