@@ -103,16 +103,21 @@ def check_ragged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if Lmax < T:
         raise ValueError(f"k_cache must hold at least T={T} positions, got Lmax={Lmax}")
     _check_lengths_tensor("cache_seqlens", cache_seqlens, B, q.device)
-    if q_seqlens is not None:
-        _check_lengths_tensor("q_seqlens", q_seqlens, B, q.device)
-        device_check(((q_seqlens >= 1) & (q_seqlens <= T)).all(),
-                     f"q_seqlens must lie in 1..T={T} for every row")
-        lower, lower_name = q_seqlens, "q_seqlens"
-    else:
-        lower, lower_name = T, f"T={T}"
-    device_check(((cache_seqlens >= lower) & (cache_seqlens <= Lmax)).all(),
-                 f"cache_seqlens must lie in {lower_name}..Lmax={Lmax} for every row "
-                 "(it counts the new tokens, which must already be in the cache)")
+    cache_message = (f"cache_seqlens must lie in {'q_seqlens' if q_seqlens is not None else f'T={T}'}"
+                     f"..Lmax={Lmax} for every row (it counts the new tokens, already in the cache)")
+    q_message = f"q_seqlens must lie in 1..T={T} for every row"
+    if q_seqlens is None:
+        device_check(((cache_seqlens >= T) & (cache_seqlens <= Lmax)).all(), cache_message)
+        return B, T, Hq, D, Lmax, Hkv
+    _check_lengths_tensor("q_seqlens", q_seqlens, B, q.device)
+    q_ok = (q_seqlens >= 1) & (q_seqlens <= T)
+    cache_ok = (cache_seqlens >= q_seqlens) & (cache_seqlens <= Lmax)
+    try:  # one check on the hot path; on CPU a failure is then attributed to its argument
+        device_check((q_ok & cache_ok).all(), f"{q_message}; {cache_message}")
+    except DeviceCheckError:
+        device_check(q_ok.all(), q_message)
+        device_check(cache_ok.all(), cache_message)
+        raise
     return B, T, Hq, D, Lmax, Hkv
 
 
