@@ -1,0 +1,181 @@
+"""Generation benchmarks on SmolLM2-135M-Instruct (fp32, CPU by default), shared by the pytest
+benchmarks (`test_bench_generation.py`) and the table script (`python -m benchmarks.generation`).
+
+Compared side by side in one run, greedy, same weights, same prompts:
+
+- our `generate` vs Hugging Face ``model.generate``;
+- our `speculative_generate` (prompt-lookup draft; a draft made of the target's first layers) vs
+  our `generate` vs Hugging Face assisted generation with the same draft (``prompt_lookup_num_tokens=``,
+  ``assistant_model=``), which supports one row at a time, so batch 8 loops over rows;
+- efficiency: measured speedup / predicted speedup, predicted = (1 - a^(K+1)) / ((1 - a)(K c + v))
+  with a = acceptance rate, c = draft step / target step, v = target verify of K+1 tokens /
+  target step, all measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec_kernels import PromptLookupDraft, generate, speculative_generate
+
+PROMPTS = (
+    "Rewrite this Python function with type hints, keeping the body unchanged:\n\n"
+    "def moving_average(values, window):\n    result = []\n    for i in range(len(values) - window + 1):\n"
+    "        chunk = values[i:i + window]\n        result.append(sum(chunk) / window)\n    return result",
+    "Copy this shopping list and add a quantity after each item: apples, bread, milk, eggs, rice, "
+    "tomatoes, onions, cheese, butter, coffee.",
+    "Repeat this sentence three times: the quick brown fox jumps over the lazy dog.",
+    "List the days of the week, one per line, each followed by its number in the week.",
+)
+DRAFT_LAYERS = 6  # the layer-skip draft: the target's first 6 of 30 layers
+
+
+@dataclass
+class Setup:
+    model: object  # our Llama
+    hf: object  # transformers LlamaForCausalLM, same weights
+    hf_draft: object  # transformers model with the first DRAFT_LAYERS layers
+    tokenizer: object
+
+
+def load_setup() -> Setup:
+    """SmolLM2 as our model and as transformers models on the same converted weights."""
+    from transformers import LlamaForCausalLM
+
+    from specdec_kernels.pretrained import load_smollm2, smollm2_folder
+
+    model, tokenizer = load_smollm2()
+    folder = smollm2_folder()
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf_draft = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, num_hidden_layers=DRAFT_LAYERS).eval()
+    for m in (hf, hf_draft):  # run to max_new_tokens, like ours with eos_token_id=None
+        m.generation_config.eos_token_id = None
+        m.generation_config.pad_token_id = tokenizer.pad_token_id
+    return Setup(model, hf, hf_draft, tokenizer)
+
+
+def encode(setup: Setup, batch_size: int):
+    texts = [setup.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                                 tokenize=False, add_generation_prompt=True)
+             for i in range(batch_size)]
+    setup.tokenizer.padding_side = "left"
+    enc = setup.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc.input_ids, enc.attention_mask
+
+
+def run_ours(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4):
+    """Tokens generated and the stats of one greedy run of our generate / speculative_generate."""
+    ids, mask = encode(setup, batch_size)
+    if draft is None:
+        return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+    drafter = PromptLookupDraft() if draft == "prompt_lookup" else setup.model.truncated(DRAFT_LAYERS)
+    return speculative_generate(setup.model, drafter, ids, mask, num_draft_tokens=k,
+                                max_new_tokens=max_new_tokens, temperature=0)
+
+
+def run_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4) -> int:
+    """Greedy Hugging Face generation; returns tokens generated. Assisted generation handles one
+    row per call, so batched assisted runs loop over rows."""
+    ids, mask = encode(setup, batch_size)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    with torch.inference_mode():
+        if draft is None:
+            out = setup.hf.generate(ids, attention_mask=mask, **kwargs)
+            return int((out.shape[1] - ids.shape[1]) * batch_size)
+        extra = (dict(prompt_lookup_num_tokens=k) if draft == "prompt_lookup"
+                 else dict(assistant_model=setup.hf_draft))
+        total = 0
+        for row in range(batch_size):
+            real = mask[row].bool()
+            out = setup.hf.generate(ids[row][real][None], **kwargs, **extra)
+            total += out.shape[1] - int(real.sum())
+        return total
+
+
+def step_times(setup: Setup, batch_size: int, k: int, reps: int = 5) -> dict[str, float]:
+    """Median seconds of one target decode step, one target verify of K+1 tokens, and one
+    draft (first layers) decode step, at the prompt length of this batch."""
+    ids, mask = encode(setup, batch_size)
+    lengths = mask.sum(1)
+    order = torch.argsort((mask == 0).to(torch.int8), dim=1, stable=True)
+    prompt = ids.gather(1, order)
+    draft = setup.model.truncated(DRAFT_LAYERS)
+    result = {}
+    with torch.inference_mode():
+        for name, model, T in (("target_step", setup.model, 1), ("target_verify", setup.model, k + 1),
+                               ("draft_step", draft, 1)):
+            cache = model.new_cache(batch_size, ids.shape[1] + k + 2)
+            model(prompt, cache, lengths, last_only=True)
+            start = cache.lengths.clone()
+            x = torch.zeros(batch_size, T, dtype=torch.int64)
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                model(x, cache)
+                times.append(time.perf_counter() - t0)
+                cache.crop(start)
+            result[name] = statistics.median(times[1:])
+    return result
+
+
+def predicted_speedup(a: float, k: int, c: float, v: float) -> float:
+    """Expected speedup of speculative decoding (Leviathan et al. 2022, eq. for walltime)."""
+    if a >= 1.0:
+        return (k + 1) / (k * c + v)
+    return (1 - a ** (k + 1)) / ((1 - a) * (k * c + v))
+
+
+def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4) -> str:
+    """Run every comparison once and return a markdown table plus the machine line."""
+    from benchmarks.timing import machine_line
+
+    torch.manual_seed(0)
+    setup = load_setup()
+    rows = []
+    for B in batch_sizes:
+        timed = {}
+        for name, fn, draft in (("ours generate", run_ours, None), ("HF generate", run_hf, None),
+                                ("ours spec, prompt lookup", run_ours, "prompt_lookup"),
+                                ("HF assisted, prompt lookup", run_hf, "prompt_lookup"),
+                                (f"ours spec, {DRAFT_LAYERS}-layer draft", run_ours, "layers"),
+                                (f"HF assisted, {DRAFT_LAYERS}-layer draft", run_hf, "layers")):
+            fn(setup, B, 4, draft, k)  # warm-up
+            t0 = time.perf_counter()
+            out = fn(setup, B, max_new_tokens, draft, k)
+            seconds = time.perf_counter() - t0
+            tokens = out if isinstance(out, int) else int(out.stats.num_generated.sum())
+            timed[name] = (tokens / seconds, out)
+        steps = step_times(setup, B, k)
+        c_layers = steps["draft_step"] / steps["target_step"]
+        v = steps["target_verify"] / steps["target_step"]
+        base = timed["ours generate"][0]
+        hf_base = timed["HF generate"][0]
+        for name, (tps, out) in timed.items():
+            accept = eff = ""
+            if not isinstance(out, int) and out.stats.num_proposed.sum() > 0:
+                a = out.stats.acceptance_rate
+                c = 0.0 if "lookup" in name else c_layers
+                eff = f"{(tps / base) / predicted_speedup(a, k, c, v):.2f}"
+                accept = f"{a:.1%}"
+            rows.append(f"| {B} | {name} | {tps:.1f} | {tps / base:.2f}x | {tps / hf_base:.2f}x | {accept} | {eff} |")
+        rows.append(f"| {B} | (measured: c = {c_layers:.3f}, v = {v:.3f}, target step "
+                    f"{steps['target_step'] * 1e3:.0f} ms, K = {k}) | | | | | |")
+    header = ("| batch | method | tokens/s | vs ours generate | vs HF generate | acceptance | efficiency |\n"
+              "|---|---|---|---|---|---|---|")
+    return (f"SmolLM2-135M-Instruct fp32, greedy, {max_new_tokens} new tokens per row, K = {k}\n"
+            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.generation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("-k", type=int, default=4)
+    args = parser.parse_args()
+    print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k))

