@@ -10,9 +10,16 @@ pytest-benchmark group, so the table shows the two side by side; the ratio is ou
 
 On CUDA the Triton kernel is benchmarked against SDPA in the same way (CUDA-event medians in
 ``extra_info``).
+
+CPU threads: both sides run with ``SPECDEC_BENCH_THREADS`` torch threads (default 1). On a shared,
+oversubscribed machine every OpenMP parallel region waits for a descheduled worker thread (we saw
+a 1728-element softmax take 8 ms with 2 threads on a 2-core VM at load 3), which measures the
+scheduler rather than the op, and punishes whichever side launches more parallel ops.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -22,6 +29,15 @@ from benchmarks.timing import bench
 from specdec_kernels import ragged_attention
 
 HQ, HKV, D = 9, 3, 64
+THREADS = int(os.environ.get("SPECDEC_BENCH_THREADS", "1"))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(saved)
 SHAPES = [pytest.param(B, T, L, id=f"B{B}-T{T}-L{L}") for L in (512, 4096) for B in (1, 8) for T in (1, 5)]
 
 
@@ -51,6 +67,7 @@ def test_cpu(benchmark, impl, B, T, L):
     ours = lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
     torch.testing.assert_close(ours(), sdpa_baseline(q, k, v, mask), rtol=1e-4, atol=1e-4)
     benchmark.group = f"cpu B{B}-T{T}-L{L}"
+    benchmark.extra_info["torch_threads"] = torch.get_num_threads()
     bench(benchmark, ours if impl == "ragged_attention" else (lambda: sdpa_baseline(q, k, v, mask)))
 
 
