@@ -23,6 +23,10 @@ class KernelSpec:
             in the kernel's argument order.
         constexprs: values of the ``constexpr`` arguments.
         num_warps, num_stages: launch options the launcher uses for this specialization.
+        aligned: names of pointer / integer arguments that are multiples of 16 (bytes for
+            pointers) in the launches this spec stands for, as Triton's JIT would specialize
+            them (torch allocations are 16-byte aligned). Without them the compiler must assume
+            unaligned scalar accesses, and register counts are not those of real launches.
     """
 
     name: str
@@ -31,6 +35,15 @@ class KernelSpec:
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 3
+    aligned: tuple[str, ...] = ()
+
+    def compile_attrs(self) -> dict[tuple[int], list[list]]:
+        """``ASTSource`` attributes that mark `aligned` arguments as divisible by 16."""
+        names = list(self.signature)
+        unknown = [name for name in self.aligned if name not in names]
+        if unknown:
+            raise ValueError(f"{self.name}: aligned names {unknown} are not kernel arguments")
+        return {(names.index(name),): [["tt.divisibility", 16]] for name in self.aligned}
 
 
 _SPECS: dict[str, KernelSpec] = {}

@@ -345,7 +345,8 @@ def compile_check(specs: Sequence | None = None, targets: Sequence = COMPILE_TAR
         for backend, capability, warp_size in targets:
             report = CompileReport(spec.name, f"sm_{capability}")
             try:
-                source = ASTSource(spec.kernel, signature=spec.signature, constexprs=spec.constexprs)
+                source = ASTSource(spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
+                                   attrs=spec.compile_attrs())
                 compiled = triton.compile(source, target=GPUTarget(backend, capability, warp_size),
                                           options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
                 for key, value in _cubin_resources(compiled.asm["cubin"]).items():

@@ -36,6 +36,8 @@ SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr
 
 if __name__ != "__main__":
     register(KernelSpec("harness_copy", copy_kernel, SIGNATURE, {"BLOCK": 256}))
+    register(KernelSpec("harness_copy_aligned", copy_kernel, SIGNATURE, {"BLOCK": 256},
+                        aligned=("x_ptr", "y_ptr", "n")))
     register(KernelSpec("harness_loop_type_change", loop_type_change_kernel, SIGNATURE, {"BLOCK": 256}))
     register(KernelSpec("harness_spilling", spilling_kernel,
                         {"x_ptr": "*fp32", "y_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16384},

@@ -62,6 +62,13 @@ def test_compile_check_passes_a_good_kernel(harness_compile_reports, arch):
     assert report.registers and report.registers > 0
 
 
+def test_compile_check_uses_alignment_hints(harness_compile_reports):
+    # Aligned pointers allow vector loads: fewer registers than the scalar-access version.
+    for arch in ("sm_80", "sm_90"):
+        aligned, plain = harness_compile_reports["harness_copy_aligned", arch], harness_compile_reports["harness_copy", arch]
+        assert aligned.ok and aligned.registers <= plain.registers
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_compile_check_catches_what_only_the_interpreter_accepts(harness_compile_reports, arch):
     from kernels_for_harness import loop_type_change_kernel
