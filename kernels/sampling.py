@@ -83,10 +83,26 @@ def _store_output(ids_ptr, token_ptr, num_acc_ptr, i_b, K, j, tok, BK: tl.conste
 
 @triton.jit(do_not_specialize=["K", "V", "stride_tb", "stride_tk", "stride_db", "stride_dk"])
 def _rejection_sample_kernel(
-    target_ptr, draft_ptr, ids_ptr, n_ptr, greedy_ptr, seed_ptr, accept_ptr, exp_ptr,
-    token_ptr, num_acc_ptr,
-    K, V, stride_tb, stride_tk, stride_db, stride_dk, use_noise,
-    HAS_DRAFT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    target_ptr,
+    draft_ptr,
+    ids_ptr,
+    n_ptr,
+    greedy_ptr,
+    seed_ptr,
+    accept_ptr,
+    exp_ptr,
+    token_ptr,
+    num_acc_ptr,
+    K,
+    V,
+    stride_tb,
+    stride_tk,
+    stride_db,
+    stride_dk,
+    use_noise,
+    HAS_DRAFT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     n = tl.load(n_ptr + i_b).to(tl.int32)
@@ -181,15 +197,35 @@ def _prob_at(row_ptr, x, m_x, DIVISOR, thr, m, s):
     """Softmax probability of entry ``x`` given the row's (max, sum); 0 where masked."""
     b_l = tl.load(row_ptr + x, mask=m_x, other=float("-inf")).to(tl.float32) / DIVISOR
     b_l = tl.where(b_l >= thr, b_l, float("-inf"))
-    return tl.exp(b_l - m) / s
+    return tl.exp(b_l - tl.where(m == float("-inf"), 0.0, m)) / s
 
 
 @triton.jit(do_not_specialize=["K", "V", "stride_tb", "stride_tk", "stride_db", "stride_dk"])
 def _rejection_sample_logits_kernel(
-    target_ptr, draft_ptr, ids_ptr, n_ptr, greedy_ptr, divisor_ptr, thr_t_ptr, thr_d_ptr,
-    seed_ptr, accept_ptr, exp_ptr, token_ptr, num_acc_ptr,
-    K, V, stride_tb, stride_tk, stride_db, stride_dk, use_noise, has_thr,
-    HAS_DRAFT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    target_ptr,
+    draft_ptr,
+    ids_ptr,
+    n_ptr,
+    greedy_ptr,
+    divisor_ptr,
+    thr_t_ptr,
+    thr_d_ptr,
+    seed_ptr,
+    accept_ptr,
+    exp_ptr,
+    token_ptr,
+    num_acc_ptr,
+    K,
+    V,
+    stride_tb,
+    stride_tk,
+    stride_db,
+    stride_dk,
+    use_noise,
+    has_thr,
+    HAS_DRAFT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     n = tl.load(n_ptr + i_b).to(tl.int32)
@@ -246,8 +282,9 @@ def _rejection_sample_logits_kernel(
     is_rej = j < n
     x_j = tl.load(ids_ptr + i_b * K + j, mask=is_rej & sampled, other=-1)
     thr_j = tl.load(thr_t_ptr + i_b * (K + 1) + j, mask=filtered & sampled, other=float("-inf"))
-    thr_dj = tl.load(thr_d_ptr + i_b * K + j, mask=filtered & sampled & is_rej & (HAS_DRAFT != 0),
-                     other=float("-inf"))
+    thr_dj = tl.load(
+        thr_d_ptr + i_b * K + j, mask=filtered & sampled & is_rej & (HAS_DRAFT != 0), other=float("-inf")
+    )
     V_s = tl.where(sampled, V, 0)
     V_rej = tl.where(is_rej, V_s, 0)
     V_noise = tl.where(noisy, V_s, 0)
@@ -257,6 +294,8 @@ def _rejection_sample_logits_kernel(
     idx_p = 0
     best_l = float("-inf")
     idx_l = 0
+    m_t = tl.where(is_rej, m_t, 0.0)  # only row j's normalizers are used; keep -inf - -inf out
+    m_d = tl.where(is_rej, m_d, 0.0)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V_s
@@ -312,15 +351,31 @@ def _config(kind: str, dtype: torch.dtype, has_draft: bool) -> tuple[str, dict[s
 def _signature(kind: str, dtype: torch.dtype) -> dict[str, str]:
     val = torch_dtype_to_triton(dtype)
     common_in = {"target_ptr": val, "draft_ptr": val, "ids_ptr": "*i64", "n_ptr": "*i64", "greedy_ptr": "*u8"}
-    ints = {"K": "i32", "V": "i32", "stride_tb": "i32", "stride_tk": "i32", "stride_db": "i32",
-            "stride_dk": "i32", "use_noise": "i32"}
+    ints = {
+        "K": "i32",
+        "V": "i32",
+        "stride_tb": "i32",
+        "stride_tk": "i32",
+        "stride_db": "i32",
+        "stride_dk": "i32",
+        "use_noise": "i32",
+    }
     const = {"HAS_DRAFT": "constexpr", "BK": "constexpr", "BV": "constexpr"}
     rand = {"seed_ptr": "*i64", "accept_ptr": "*fp32", "exp_ptr": "*fp32"}
     out = {"token_ptr": "*i64", "num_acc_ptr": "*i64"}
     if kind == "probs":
         return {**common_in, **rand, **out, **ints, **const}
-    return {**common_in, "divisor_ptr": "*fp32", "thr_t_ptr": "*fp32", "thr_d_ptr": "*fp32", **rand, **out,
-            **ints, "has_thr": "i32", **const}
+    return {
+        **common_in,
+        "divisor_ptr": "*fp32",
+        "thr_t_ptr": "*fp32",
+        "thr_d_ptr": "*fp32",
+        **rand,
+        **out,
+        **ints,
+        "has_thr": "i32",
+        **const,
+    }
 
 
 _KERNELS = {"probs": _rejection_sample_kernel, "logits": _rejection_sample_logits_kernel}
@@ -330,15 +385,23 @@ for _kind, _kernel in _KERNELS.items():
         for _has_draft in (True, False):
             _name, _constexprs, _warps = _config(_kind, _dtype, _has_draft)
             register(KernelSpec(_name, _kernel, _signature(_kind, _dtype), _constexprs, num_warps=_warps))
-register(KernelSpec(f"sampling.first_rejection[BK={BK}]", _first_rejection_kernel,
-                    {"accepted_ptr": "*u8", "n_ptr": "*i64", "out_ptr": "*i64", "K": "i32", "BK": "constexpr"},
-                    {"BK": BK}, num_warps=1))
+register(
+    KernelSpec(
+        f"sampling.first_rejection[BK={BK}]",
+        _first_rejection_kernel,
+        {"accepted_ptr": "*u8", "n_ptr": "*i64", "out_ptr": "*i64", "K": "i32", "BK": "constexpr"},
+        {"BK": BK},
+        num_warps=1,
+    )
+)
 
 
 # --------------------------------------------------------------------------- launchers
 
-def _seeds(generator: torch.Generator | None, seed: int | torch.Tensor | None, B: int,
-           device: torch.device) -> torch.Tensor:
+
+def _seeds(
+    generator: torch.Generator | None, seed: int | torch.Tensor | None, B: int, device: torch.device
+) -> torch.Tensor:
     """``[B]`` int64 per-row Philox seeds: as given, ``seed + b``, or drawn from ``generator``."""
     if isinstance(seed, torch.Tensor):
         return seed.to(device=device, dtype=torch.int64).contiguous()
@@ -347,29 +410,49 @@ def _seeds(generator: torch.Generator | None, seed: int | torch.Tensor | None, B
     return torch.randint(0, 2**62, (B,), device=device, dtype=torch.int64, generator=generator)
 
 
-def _noise_args(noise: RejectionNoise | None, generator: torch.Generator | None, seed: int | torch.Tensor | None,
-                B: int, device: torch.device, dummy: torch.Tensor) -> tuple:
+def _noise_args(
+    noise: RejectionNoise | None,
+    generator: torch.Generator | None,
+    seed: int | torch.Tensor | None,
+    B: int,
+    device: torch.device,
+    dummy: torch.Tensor,
+) -> tuple:
     if noise is not None:
         if noise.exponential is None:
             raise ValueError("the triton backend consumes noise.exponential ([B, V] float32); it is None")
-        return dummy.new_zeros(1, dtype=torch.int64), noise.accept.contiguous(), noise.exponential.contiguous(), 1
+        return (
+            dummy.new_zeros(1, dtype=torch.int64),
+            noise.accept.contiguous(),
+            noise.exponential.contiguous(),
+            1,
+        )
     f32 = torch.zeros(1, dtype=torch.float32, device=device)
     return _seeds(generator, seed, B, device), f32, f32, 0
 
 
 def _outputs(B: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(B, K + 1, dtype=torch.int64, device=device),
-            torch.empty(B, dtype=torch.int64, device=device))
+    return (
+        torch.empty(B, K + 1, dtype=torch.int64, device=device),
+        torch.empty(B, dtype=torch.int64, device=device),
+    )
 
 
 def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def rejection_sample_triton(target: torch.Tensor, draft: torch.Tensor | None, ids: torch.Tensor, n: torch.Tensor,
-                            greedy: torch.Tensor, *, generator: torch.Generator | None = None,
-                            seed: int | torch.Tensor | None = None,
-                            noise: RejectionNoise | None = None) -> RejectionOutput:
+def rejection_sample_triton(
+    target: torch.Tensor,
+    draft: torch.Tensor | None,
+    ids: torch.Tensor,
+    n: torch.Tensor,
+    greedy: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    noise: RejectionNoise | None = None,
+) -> RejectionOutput:
     """Launch `_rejection_sample_kernel` (one launch, grid ``(B,)``). Inputs already validated:
     target ``[B, K+1, V]``, draft ``[B, K, V]`` or None, ids ``[B, K]`` int64, n ``[B]`` int64,
     greedy ``[B]`` bool."""
@@ -381,18 +464,43 @@ def rejection_sample_triton(target: torch.Tensor, draft: torch.Tensor | None, id
     tokens, num_acc = _outputs(B, K, target.device)
     _, constexprs, num_warps = _config("probs", target.dtype, draft is not None)
     _rejection_sample_kernel[(B,)](
-        target, draft_arg, ids.contiguous(), n, greedy.view(torch.uint8), seeds, accept, exp, tokens, num_acc,
-        K, V, target.stride(0), target.stride(1), draft_arg.stride(0), draft_arg.stride(1), use_noise,
-        num_warps=num_warps, **constexprs)
+        target,
+        draft_arg,
+        ids.contiguous(),
+        n,
+        greedy.view(torch.uint8),
+        seeds,
+        accept,
+        exp,
+        tokens,
+        num_acc,
+        K,
+        V,
+        target.stride(0),
+        target.stride(1),
+        draft_arg.stride(0),
+        draft_arg.stride(1),
+        use_noise,
+        num_warps=num_warps,
+        **constexprs,
+    )
     return RejectionOutput(tokens, num_acc)
 
 
-def rejection_sample_logits_triton(target: torch.Tensor, draft: torch.Tensor | None, ids: torch.Tensor,
-                                   n: torch.Tensor, greedy: torch.Tensor, temperature: float | torch.Tensor,
-                                   top_k: int | None, top_p: float | None, *,
-                                   generator: torch.Generator | None = None,
-                                   seed: int | torch.Tensor | None = None,
-                                   noise: RejectionNoise | None = None) -> RejectionOutput:
+def rejection_sample_logits_triton(
+    target: torch.Tensor,
+    draft: torch.Tensor | None,
+    ids: torch.Tensor,
+    n: torch.Tensor,
+    greedy: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_k: int | None,
+    top_p: float | None,
+    *,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    noise: RejectionNoise | None = None,
+) -> RejectionOutput:
     """Launch `_rejection_sample_logits_kernel` (one launch, grid ``(B,)``).
 
     ``greedy`` must already include the temperature-0 rows. With top-k / top-p, the per-row,
@@ -409,16 +517,40 @@ def rejection_sample_logits_triton(target: torch.Tensor, draft: torch.Tensor | N
     has_thr = 0
     if top_k is not None or top_p is not None:
         thr_t = logit_thresholds(target.float() / divisor[:, None, None], top_k, top_p).contiguous()
-        thr_d = (logit_thresholds(draft.float() / divisor[:, None, None], top_k, top_p).contiguous()
-                 if draft is not None else f32)
+        thr_d = (
+            logit_thresholds(draft.float() / divisor[:, None, None], top_k, top_p).contiguous()
+            if draft is not None
+            else f32
+        )
         has_thr = 1
     seeds, accept, exp, use_noise = _noise_args(noise, generator, seed, B, device, ids)
     tokens, num_acc = _outputs(B, K, device)
     _, constexprs, num_warps = _config("logits", target.dtype, draft is not None)
     _rejection_sample_logits_kernel[(B,)](
-        target, draft_arg, ids.contiguous(), n, greedy.view(torch.uint8), divisor, thr_t, thr_d, seeds, accept, exp, tokens,
-        num_acc, K, V, target.stride(0), target.stride(1), draft_arg.stride(0), draft_arg.stride(1), use_noise,
-        has_thr, num_warps=num_warps, **constexprs)
+        target,
+        draft_arg,
+        ids.contiguous(),
+        n,
+        greedy.view(torch.uint8),
+        divisor,
+        thr_t,
+        thr_d,
+        seeds,
+        accept,
+        exp,
+        tokens,
+        num_acc,
+        K,
+        V,
+        target.stride(0),
+        target.stride(1),
+        draft_arg.stride(0),
+        draft_arg.stride(1),
+        use_noise,
+        has_thr,
+        num_warps=num_warps,
+        **constexprs,
+    )
     return RejectionOutput(tokens, num_acc)
 
 

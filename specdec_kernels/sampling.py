@@ -96,6 +96,7 @@ class RejectionNoise(NamedTuple):
 
 # --------------------------------------------------------------------------- randomness
 
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """``lowbias32`` integer hash of int64 tensors holding values in ``[0, 2**32)``."""
     x = x ^ (x >> 16)
@@ -125,8 +126,9 @@ def _row_seeds(seed: int | torch.Tensor, batch: int, device: torch.device) -> to
     return torch.arange(batch, device=device, dtype=torch.int64) + seed
 
 
-def _exponential(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
-                 ) -> torch.Tensor:
+def _exponential(
+    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
     """Exp(1) float32 variables ``-log(u)``, ``u`` a float64 uniform in ``[0, 1)``.
 
     Never 0 (``u < 1`` keeps ``-log(u) >= 1.1e-16``, representable in float32), so no entry of an
@@ -137,10 +139,15 @@ def _exponential(shape: tuple[int, ...], generator: torch.Generator | None, devi
     return (-torch.log(torch.rand(shape, dtype=torch.float64, device=device, generator=generator))).float()
 
 
-def make_rejection_noise(batch: int, num_draft: int, vocab: int | None = None, *,
-                         generator: torch.Generator | None = None,
-                         seed: int | torch.Tensor | None = None,
-                         device: torch.device | str = "cpu") -> RejectionNoise:
+def make_rejection_noise(
+    batch: int,
+    num_draft: int,
+    vocab: int | None = None,
+    *,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> RejectionNoise:
     """Draw the random inputs of one rejection-sampling call.
 
     Args:
@@ -162,10 +169,10 @@ def make_rejection_noise(batch: int, num_draft: int, vocab: int | None = None, *
         seeds = _row_seeds(seed, batch, device)
         counters = torch.arange(num_draft + 2 + (vocab or 0), device=device, dtype=torch.int64)
         u = _counter_uniform(seeds, counters)
-        accept, uniform = 1.0 - u[:, :num_draft], u[:, num_draft:num_draft + 2]
+        accept, uniform = 1.0 - u[:, :num_draft], u[:, num_draft : num_draft + 2]
         if vocab is not None:
             # (k + 0.5) * 2**-24 lies in (0, 1) (exact in float64), so -log of it is finite and > 0.
-            exponential = (-torch.log(u[:, num_draft + 2:].double() + 2.0**-25)).float()
+            exponential = (-torch.log(u[:, num_draft + 2 :].double() + 2.0**-25)).float()
     else:
         accept = 1.0 - torch.rand(batch, num_draft, device=device, generator=generator)
         uniform = torch.rand(batch, 2, device=device, generator=generator)
@@ -175,6 +182,7 @@ def make_rejection_noise(batch: int, num_draft: int, vocab: int | None = None, *
 
 
 # --------------------------------------------------------------------------- validation
+
 
 def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
@@ -192,11 +200,18 @@ def _check_probs_values(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} contains negative probabilities (pass validate=False to skip this check)")
 
 
-def _validate_common(target: torch.Tensor, draft: torch.Tensor | None, draft_token_ids: torch.Tensor,
-                     num_draft_tokens: torch.Tensor | None, greedy: bool | torch.Tensor,
-                     generator: torch.Generator | None, seed: int | torch.Tensor | None,
-                     noise: RejectionNoise | None, names: tuple[str, str], validate: bool
-                     ) -> tuple[int, int, int]:
+def _validate_common(
+    target: torch.Tensor,
+    draft: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None,
+    greedy: bool | torch.Tensor,
+    generator: torch.Generator | None,
+    seed: int | torch.Tensor | None,
+    noise: RejectionNoise | None,
+    names: tuple[str, str],
+    validate: bool,
+) -> tuple[int, int, int]:
     """Shape, dtype and device checks shared by both samplers; value checks when ``validate``."""
     tname, dname = names
     _check_tensor(tname, target, 3)
@@ -212,16 +227,20 @@ def _validate_common(target: torch.Tensor, draft: torch.Tensor | None, draft_tok
     if draft is not None:
         _check_tensor(dname, draft, 3)
         if tuple(draft.shape) != (B, K, V):
-            raise ValueError(f"{dname} must have shape [B, K, V] = {(B, K, V)} to match {tname} "
-                             f"{tuple(target.shape)}, got {tuple(draft.shape)}")
+            raise ValueError(
+                f"{dname} must have shape [B, K, V] = {(B, K, V)} to match {tname} "
+                f"{tuple(target.shape)}, got {tuple(draft.shape)}"
+            )
         if draft.dtype != target.dtype:
             raise TypeError(f"{dname} must have the dtype of {tname} ({target.dtype}), got {draft.dtype}")
         if draft.device != device:
             raise ValueError(f"{dname} is on {draft.device} but {tname} is on {device}")
     _check_tensor("draft_token_ids", draft_token_ids, 2)
     if tuple(draft_token_ids.shape) != (B, K):
-        raise ValueError(f"draft_token_ids must have shape [B, K] = {(B, K)} to match {tname} "
-                         f"{tuple(target.shape)}, got {tuple(draft_token_ids.shape)}")
+        raise ValueError(
+            f"draft_token_ids must have shape [B, K] = {(B, K)} to match {tname} "
+            f"{tuple(target.shape)}, got {tuple(draft_token_ids.shape)}"
+        )
     if draft_token_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"draft_token_ids must be int64 or int32, got {draft_token_ids.dtype}")
     if draft_token_ids.device != device:
@@ -229,7 +248,9 @@ def _validate_common(target: torch.Tensor, draft: torch.Tensor | None, draft_tok
     if num_draft_tokens is not None:
         _check_tensor("num_draft_tokens", num_draft_tokens, 1)
         if num_draft_tokens.shape[0] != B:
-            raise ValueError(f"num_draft_tokens must have shape [B] = [{B}], got {tuple(num_draft_tokens.shape)}")
+            raise ValueError(
+                f"num_draft_tokens must have shape [B] = [{B}], got {tuple(num_draft_tokens.shape)}"
+            )
         if num_draft_tokens.dtype.is_floating_point or num_draft_tokens.dtype == torch.bool:
             raise TypeError(f"num_draft_tokens must be an integer tensor, got {num_draft_tokens.dtype}")
         if num_draft_tokens.device != device:
@@ -237,8 +258,10 @@ def _validate_common(target: torch.Tensor, draft: torch.Tensor | None, draft_tok
     if isinstance(greedy, torch.Tensor):
         _check_tensor("greedy", greedy, 1)
         if greedy.shape[0] != B or greedy.dtype != torch.bool:
-            raise ValueError(f"greedy must be a bool or a [B] = [{B}] bool tensor, got "
-                             f"{greedy.dtype} {tuple(greedy.shape)}")
+            raise ValueError(
+                f"greedy must be a bool or a [B] = [{B}] bool tensor, got "
+                f"{greedy.dtype} {tuple(greedy.shape)}"
+            )
         if greedy.device != device:
             raise ValueError(f"greedy is on {greedy.device} but {tname} is on {device}")
     elif not isinstance(greedy, bool):
@@ -251,8 +274,9 @@ def _validate_common(target: torch.Tensor, draft: torch.Tensor | None, draft_tok
         if isinstance(seed, torch.Tensor):
             _check_tensor("seed", seed, 1)
             if seed.shape[0] != B or seed.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"seed must be an int or a [B] = [{B}] int64 tensor, got "
-                                 f"{seed.dtype} {tuple(seed.shape)}")
+                raise ValueError(
+                    f"seed must be an int or a [B] = [{B}] int64 tensor, got {seed.dtype} {tuple(seed.shape)}"
+                )
             if seed.device != device:
                 raise ValueError(f"seed is on {seed.device} but {tname} is on {device}")
         elif not isinstance(seed, int) or isinstance(seed, bool):
@@ -262,12 +286,16 @@ def _validate_common(target: torch.Tensor, draft: torch.Tensor | None, draft_tok
             raise TypeError(f"noise must be a RejectionNoise, got {type(noise).__name__}")
         _check_tensor("noise.accept", noise.accept, 2)
         if tuple(noise.accept.shape) != (B, K) or noise.accept.dtype != torch.float32:
-            raise ValueError(f"noise.accept must be float32 [B, K] = {(B, K)}, got "
-                             f"{noise.accept.dtype} {tuple(noise.accept.shape)}")
+            raise ValueError(
+                f"noise.accept must be float32 [B, K] = {(B, K)}, got "
+                f"{noise.accept.dtype} {tuple(noise.accept.shape)}"
+            )
         for field, shape in (("uniform", (B, 2)), ("exponential", (B, V))):
             t = getattr(noise, field)
             if t is not None and (tuple(t.shape) != shape or t.dtype != torch.float32):
-                raise ValueError(f"noise.{field} must be float32 {list(shape)}, got {t.dtype} {tuple(t.shape)}")
+                raise ValueError(
+                    f"noise.{field} must be float32 {list(shape)}, got {t.dtype} {tuple(t.shape)}"
+                )
         for t in noise:
             if t is not None and t.device != device:
                 raise ValueError(f"noise tensors must be on {device}, got {t.device}")
@@ -279,8 +307,13 @@ def _validate_common(target: torch.Tensor, draft: torch.Tensor | None, draft_tok
     return B, K, V
 
 
-def _sanitize(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None, B: int, K: int,
-              greedy: bool | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sanitize(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None,
+    B: int,
+    K: int,
+    greedy: bool | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int64 ids, ``[B]`` int64 draft counts and ``[B]`` bool greedy flags.
 
     Counts outside ``[0, K]`` (possible only with ``validate=False``) are brought into range so
@@ -292,19 +325,30 @@ def _sanitize(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | No
         n = torch.full((B,), K, dtype=torch.int64, device=device)
     else:
         n = num_draft_tokens.to(torch.int64).clamp(0, K)
-    g = greedy if isinstance(greedy, torch.Tensor) else torch.full((B,), greedy, dtype=torch.bool,
-                                                                     device=device)
+    g = (
+        greedy
+        if isinstance(greedy, torch.Tensor)
+        else torch.full((B,), greedy, dtype=torch.bool, device=device)
+    )
     return ids, n, g
 
 
 # --------------------------------------------------------------------------- logits processing
 
-def _check_sampling_params(temperature: float | torch.Tensor, top_k: int | None, top_p: float | None,
-                           batch: int, device: torch.device) -> None:
+
+def _check_sampling_params(
+    temperature: float | torch.Tensor,
+    top_k: int | None,
+    top_p: float | None,
+    batch: int,
+    device: torch.device,
+) -> None:
     if isinstance(temperature, torch.Tensor):
         if temperature.ndim != 1 or temperature.shape[0] != batch:
-            raise ValueError(f"temperature must be a float or a [B] = [{batch}] tensor, got shape "
-                             f"{tuple(temperature.shape)}")
+            raise ValueError(
+                f"temperature must be a float or a [B] = [{batch}] tensor, got shape "
+                f"{tuple(temperature.shape)}"
+            )
         if not temperature.dtype.is_floating_point:
             raise TypeError(f"temperature must be a floating tensor, got {temperature.dtype}")
         if temperature.device != device:
@@ -326,11 +370,15 @@ def _check_sampling_params(temperature: float | torch.Tensor, top_k: int | None,
             raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
 
 
-def _temperature_rows(temperature: float | torch.Tensor, batch: int, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _temperature_rows(
+    temperature: float | torch.Tensor, batch: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` float32 divisor (1 where greedy) and ``[B]`` bool greedy mask (temperature == 0)."""
-    t = (temperature.to(device=device, dtype=torch.float32) if isinstance(temperature, torch.Tensor)
-         else torch.full((batch,), float(temperature), dtype=torch.float32, device=device))
+    t = (
+        temperature.to(device=device, dtype=torch.float32)
+        if isinstance(temperature, torch.Tensor)
+        else torch.full((batch,), float(temperature), dtype=torch.float32, device=device)
+    )
     greedy = t == 0
     return torch.where(greedy, torch.ones_like(t), t), greedy
 
@@ -367,8 +415,12 @@ def logit_thresholds(scaled: torch.Tensor, top_k: int | None, top_p: float | Non
     return thr
 
 
-def process_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
-                   top_p: float | None = None) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p: the one definition, for target and draft.
 
     Args:
@@ -403,8 +455,14 @@ def process_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0
     return probs
 
 
-def sample_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
-                  top_p: float | None = None, *, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_logits(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Sample one token per row from exactly `process_logits`' distribution, without host syncs.
 
     Uses the exponential race ``argmax_v p_v / E_v`` with ``E ~ Exp(1)`` from ``generator``
@@ -426,6 +484,7 @@ def sample_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0,
 
 
 # --------------------------------------------------------------------------- torch path
+
 
 def _first_rejection_torch(accepted: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     B, K = accepted.shape
@@ -461,9 +520,15 @@ def _sample_two_level(w: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (c * C + i).squeeze(1).clamp_max(V - 1)
 
 
-def _rejection_sample_torch(target: torch.Tensor, draft: torch.Tensor | None, ids: torch.Tensor,
-                            n: torch.Tensor, greedy: torch.Tensor, any_greedy: bool,
-                            noise: RejectionNoise) -> RejectionOutput:
+def _rejection_sample_torch(
+    target: torch.Tensor,
+    draft: torch.Tensor | None,
+    ids: torch.Tensor,
+    n: torch.Tensor,
+    greedy: torch.Tensor,
+    any_greedy: bool,
+    noise: RejectionNoise,
+) -> RejectionOutput:
     """Vectorized, sync-free rejection sampling (no Python loop over rows)."""
     B, K1, V = target.shape
     K = K1 - 1
@@ -473,8 +538,11 @@ def _rejection_sample_torch(target: torch.Tensor, draft: torch.Tensor | None, id
     safe_ids = torch.where(valid_id, ids, torch.zeros_like(ids))
     # Acceptance: u * q(x) <= p(x), q(x) == 0 rejects.
     p_x = target[:, :K].gather(-1, safe_ids[..., None]).squeeze(-1).float()
-    q_x = (draft.gather(-1, safe_ids[..., None]).squeeze(-1).float() if draft is not None
-           else torch.ones_like(p_x))
+    q_x = (
+        draft.gather(-1, safe_ids[..., None]).squeeze(-1).float()
+        if draft is not None
+        else torch.ones_like(p_x)
+    )
     accepted = (q_x > 0) & (noise.accept * q_x <= p_x) & valid_id
     if any_greedy:
         argmax = target.argmax(-1)  # [B, K+1]
@@ -500,18 +568,28 @@ def _rejection_sample_torch(target: torch.Tensor, draft: torch.Tensor | None, id
         token = torch.where(greedy, argmax.gather(1, j[:, None]).squeeze(1), token)
     pos = torch.arange(K1, device=device)
     drafts = torch.cat([ids, ids.new_zeros(B, 1)], dim=1)
-    token_ids = torch.where(pos < j[:, None], drafts,
-                            torch.where(pos == j[:, None], token[:, None], torch.full_like(drafts, -1)))
+    token_ids = torch.where(
+        pos < j[:, None], drafts, torch.where(pos == j[:, None], token[:, None], torch.full_like(drafts, -1))
+    )
     return RejectionOutput(token_ids, j)
 
 
 # --------------------------------------------------------------------------- public ops
 
-def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                     draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None = None, *,
-                     greedy: bool | torch.Tensor = False, generator: torch.Generator | None = None,
-                     seed: int | torch.Tensor | None = None, noise: RejectionNoise | None = None,
-                     validate: bool | None = None, backend: str = "auto") -> RejectionOutput:
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
+    *,
+    greedy: bool | torch.Tensor = False,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    noise: RejectionNoise | None = None,
+    validate: bool | None = None,
+    backend: str = "auto",
+) -> RejectionOutput:
     """Batched lossless speculative verification from probabilities.
 
     Args:
@@ -541,8 +619,18 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     backend = resolve_backend(backend, target_probs.device)
     if validate is None:
         validate = target_probs.device.type == "cpu"
-    B, K, V = _validate_common(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy,
-                               generator, seed, noise, ("target_probs", "draft_probs"), validate)
+    B, K, V = _validate_common(
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        num_draft_tokens,
+        greedy,
+        generator,
+        seed,
+        noise,
+        ("target_probs", "draft_probs"),
+        validate,
+    )
     if validate:
         _check_probs_values("target_probs", target_probs)
         if draft_probs is not None:
@@ -550,14 +638,24 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     if backend == "reference":
         from .reference.sampling import rejection_sample as reference
 
-        return reference(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy=greedy,
-                         generator=generator, seed=seed, noise=noise, validate=False)
+        return reference(
+            target_probs,
+            draft_probs,
+            draft_token_ids,
+            num_draft_tokens,
+            greedy=greedy,
+            generator=generator,
+            seed=seed,
+            noise=noise,
+            validate=False,
+        )
     ids, n, g = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
     if backend == "triton":
         from .kernels.sampling import rejection_sample_triton
 
-        return rejection_sample_triton(target_probs, draft_probs, ids, n, g, generator=generator, seed=seed,
-                                       noise=noise)
+        return rejection_sample_triton(
+            target_probs, draft_probs, ids, n, g, generator=generator, seed=seed, noise=noise
+        )
     if noise is None or noise.uniform is None:
         accept = noise.accept if noise is not None else None
         noise = make_rejection_noise(B, K, generator=generator, seed=seed, device=target_probs.device)
@@ -566,13 +664,22 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     return _rejection_sample_torch(target_probs, draft_probs, ids, n, g, greedy is not False, noise)
 
 
-def rejection_sample_logits(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
-                            draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None = None, *,
-                            temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
-                            top_p: float | None = None, greedy: bool | torch.Tensor = False,
-                            generator: torch.Generator | None = None, seed: int | torch.Tensor | None = None,
-                            noise: RejectionNoise | None = None, validate: bool | None = None,
-                            backend: str = "auto") -> RejectionOutput:
+def rejection_sample_logits(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool | torch.Tensor = False,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    noise: RejectionNoise | None = None,
+    validate: bool | None = None,
+    backend: str = "auto",
+) -> RejectionOutput:
     """Batched speculative verification from logits, with the softmax fused into the sampler.
 
     Target and draft distributions are ``process_logits(logits, temperature, top_k, top_p)``
@@ -599,14 +706,26 @@ def rejection_sample_logits(target_logits: torch.Tensor, draft_logits: torch.Ten
     backend = resolve_backend(backend, target_logits.device)
     if validate is None:
         validate = target_logits.device.type == "cpu"
-    B, K, V = _validate_common(target_logits, draft_logits, draft_token_ids, num_draft_tokens, greedy,
-                               generator, seed, noise, ("target_logits", "draft_logits"), validate)
+    B, K, V = _validate_common(
+        target_logits,
+        draft_logits,
+        draft_token_ids,
+        num_draft_tokens,
+        greedy,
+        generator,
+        seed,
+        noise,
+        ("target_logits", "draft_logits"),
+        validate,
+    )
     _check_sampling_params(temperature, top_k, top_p, B, target_logits.device)
     if validate:
         for name, t in (("target_logits", target_logits), ("draft_logits", draft_logits)):
             if t is not None and bool(torch.isnan(t).any()):
                 raise ValueError(f"{name} contains NaN (pass validate=False to skip this check)")
-        if isinstance(temperature, torch.Tensor) and bool(((temperature < 0) | ~torch.isfinite(temperature)).any()):
+        if isinstance(temperature, torch.Tensor) and bool(
+            ((temperature < 0) | ~torch.isfinite(temperature)).any()
+        ):
             raise ValueError("temperature must be finite and >= 0")
     if isinstance(temperature, torch.Tensor):
         row_greedy = temperature == 0
@@ -617,16 +736,40 @@ def rejection_sample_logits(target_logits: torch.Tensor, draft_logits: torch.Ten
         from .kernels.sampling import rejection_sample_logits_triton
 
         ids, n, g = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
-        return rejection_sample_logits_triton(target_logits, draft_logits, ids, n, g, temperature, top_k,
-                                              top_p, generator=generator, seed=seed, noise=noise)
+        return rejection_sample_logits_triton(
+            target_logits,
+            draft_logits,
+            ids,
+            n,
+            g,
+            temperature,
+            top_k,
+            top_p,
+            generator=generator,
+            seed=seed,
+            noise=noise,
+        )
     target_probs = process_logits(target_logits, temperature, top_k, top_p)
-    draft_probs = process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
-    return rejection_sample(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy=greedy,
-                            generator=generator, seed=seed, noise=noise, validate=False, backend=backend)
+    draft_probs = (
+        process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
+    )
+    return rejection_sample(
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        num_draft_tokens,
+        greedy=greedy,
+        generator=generator,
+        seed=seed,
+        noise=noise,
+        validate=False,
+        backend=backend,
+    )
 
 
-def first_rejection_index(accepted: torch.Tensor, num_draft_tokens: torch.Tensor | None = None, *,
-                          backend: str = "auto") -> torch.Tensor:
+def first_rejection_index(
+    accepted: torch.Tensor, num_draft_tokens: torch.Tensor | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
     """Per row, the first draft position that is rejected, or ``n_b`` when none is.
 
     Args:
@@ -646,18 +789,24 @@ def first_rejection_index(accepted: torch.Tensor, num_draft_tokens: torch.Tensor
     if num_draft_tokens is not None:
         _check_tensor("num_draft_tokens", num_draft_tokens, 1)
         if num_draft_tokens.shape[0] != B:
-            raise ValueError(f"num_draft_tokens must have shape [B] = [{B}], got {tuple(num_draft_tokens.shape)}")
+            raise ValueError(
+                f"num_draft_tokens must have shape [B] = [{B}], got {tuple(num_draft_tokens.shape)}"
+            )
         if num_draft_tokens.dtype.is_floating_point or num_draft_tokens.dtype == torch.bool:
             raise TypeError(f"num_draft_tokens must be an integer tensor, got {num_draft_tokens.dtype}")
         if num_draft_tokens.device != accepted.device:
-            raise ValueError(f"num_draft_tokens is on {num_draft_tokens.device} but accepted is on "
-                             f"{accepted.device}")
+            raise ValueError(
+                f"num_draft_tokens is on {num_draft_tokens.device} but accepted is on {accepted.device}"
+            )
     if backend == "reference":
         from .reference.sampling import first_rejection_index as reference
 
         return reference(accepted, num_draft_tokens)
-    n = (torch.full((B,), K, dtype=torch.int64, device=accepted.device) if num_draft_tokens is None
-         else num_draft_tokens.to(torch.int64).clamp(0, K))
+    n = (
+        torch.full((B,), K, dtype=torch.int64, device=accepted.device)
+        if num_draft_tokens is None
+        else num_draft_tokens.to(torch.int64).clamp(0, K)
+    )
     if backend == "triton":
         from .kernels.sampling import first_rejection_index_triton
 

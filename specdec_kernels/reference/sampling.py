@@ -41,11 +41,18 @@ def _sample_inverse_cdf(w: torch.Tensor, uniform: torch.Tensor) -> int:
     return min(c * C + min(i, C - 1), V - 1)
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                     draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None = None, *,
-                     greedy: bool | torch.Tensor = False, generator: torch.Generator | None = None,
-                     seed: int | torch.Tensor | None = None, noise: RejectionNoise | None = None,
-                     validate: bool | None = None) -> RejectionOutput:
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
+    *,
+    greedy: bool | torch.Tensor = False,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    noise: RejectionNoise | None = None,
+    validate: bool | None = None,
+) -> RejectionOutput:
     """Reference of `specdec_kernels.rejection_sample` (inputs are assumed valid).
 
     Shapes: target ``[B, K+1, V]``, draft ``[B, K, V]`` or None, ids ``[B, K]``, counts ``[B]``.
@@ -115,13 +122,21 @@ def accepted_by(u: torch.Tensor, q_x: torch.Tensor, p_x: torch.Tensor) -> bool:
     return bool(u * q_x <= p_x)
 
 
-def rejection_sample_logits(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
-                            draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None = None, *,
-                            temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
-                            top_p: float | None = None, greedy: bool | torch.Tensor = False,
-                            generator: torch.Generator | None = None, seed: int | torch.Tensor | None = None,
-                            noise: RejectionNoise | None = None, validate: bool | None = None
-                            ) -> RejectionOutput:
+def rejection_sample_logits(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool | torch.Tensor = False,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    noise: RejectionNoise | None = None,
+    validate: bool | None = None,
+) -> RejectionOutput:
     """Reference of `specdec_kernels.rejection_sample_logits`: `process_logits` on both models'
     logits, then `rejection_sample`; temperature-0 rows are greedy."""
     B = target_logits.shape[0]
@@ -135,12 +150,24 @@ def rejection_sample_logits(target_logits: torch.Tensor, draft_logits: torch.Ten
     elif temperature == 0:
         greedy = True
     target_probs = process_logits(target_logits, temperature, top_k, top_p)
-    draft_probs = process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
-    return rejection_sample(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy=greedy,
-                            generator=generator, seed=seed, noise=noise)
+    draft_probs = (
+        process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
+    )
+    return rejection_sample(
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        num_draft_tokens,
+        greedy=greedy,
+        generator=generator,
+        seed=seed,
+        noise=noise,
+    )
 
 
-def first_rejection_index(accepted: torch.Tensor, num_draft_tokens: torch.Tensor | None = None) -> torch.Tensor:
+def first_rejection_index(
+    accepted: torch.Tensor, num_draft_tokens: torch.Tensor | None = None
+) -> torch.Tensor:
     """Reference of `specdec_kernels.first_rejection_index`: ``[B, K]`` bool -> ``[B]`` int64."""
     B, K = accepted.shape
     out = torch.zeros(B, dtype=torch.int64)

@@ -1,0 +1,508 @@
+"""Rejection sampling: exact agreement with the reference, semantics on hand-built cases, bad input,
+reproducibility, host syncs, and (under the Triton interpreter) bytes moved and launches.
+
+Distribution (losslessness) tests live in ``test_sampling_distribution.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels import (
+    RejectionNoise,
+    first_rejection_index,
+    make_rejection_noise,
+    process_logits,
+    rejection_sample,
+    rejection_sample_logits,
+    sample_logits,
+    triton_available,
+)
+from specdec_kernels._backend import interpreter_enabled
+from specdec_kernels.testing import SyncCounter, TrafficMeter
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+FAST = ["torch", pytest.param("triton", marks=needs_triton)]
+
+
+# --------------------------------------------------------------------------- case builders
+
+
+def make_case(
+    B: int,
+    K: int,
+    V: int,
+    dtype: torch.dtype,
+    *,
+    draft: bool,
+    ragged: bool,
+    greedy: str,
+    seed: int = 0,
+    device: str = "cpu",
+):
+    """Target / draft probabilities close enough that drafts are often accepted, drafts drawn from
+    q (or from p_i's top token without draft probs), ragged counts including 0 and K."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, K + 1, V, generator=g) * 3
+    p = torch.softmax(base + 0.7 * torch.randn(B, K + 1, V, generator=g), -1)
+    q = torch.softmax(base[:, :K] + 0.7 * torch.randn(B, K, V, generator=g), -1)
+    if draft:
+        ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, K) if K else torch.zeros(B, 0)
+    else:
+        ids = p[:, :K].argmax(-1)
+        flip = torch.rand(B, K, generator=g) < 0.3
+        ids = torch.where(flip, torch.randint(0, V, (B, K), generator=g), ids)
+    n = None
+    if ragged:
+        n = torch.randint(0, K + 1, (B,), generator=g)
+        n[0], n[-1] = 0, K
+    greedy_arg: bool | torch.Tensor = {"none": False, "all": True}.get(greedy)
+    if greedy == "mixed":
+        greedy_arg = torch.arange(B) % 3 == 1
+        greedy_arg = greedy_arg.to(device)
+    noise = make_rejection_noise(B, K, V, generator=torch.Generator().manual_seed(seed + 1))
+    to = lambda t: None if t is None else t.to(device)
+    return (
+        p.to(dtype).to(device),
+        q.to(dtype).to(device) if draft else None,
+        ids.long().to(device),
+        to(n),
+        greedy_arg,
+        RejectionNoise(*(to(t) for t in noise)),
+    )
+
+
+def noise_for(backend: str, noise: RejectionNoise) -> RejectionNoise:
+    """The reference consumes whichever form the backend does: the race for triton, else the CDF."""
+    return noise if backend == "triton" else noise._replace(exponential=None)
+
+
+CASES = [
+    pytest.param(
+        6, 4, 1000, torch.float32, True, True, "mixed", id="B6-K4-V1000-fp32-draft-ragged-mixedgreedy"
+    ),
+    pytest.param(5, 16, 333, torch.float16, False, True, "none", id="B5-K16-V333-fp16-nodraft-ragged"),
+    pytest.param(5, 3, 515, torch.bfloat16, True, False, "none", id="B5-K3-V515-bf16-draft"),
+    pytest.param(3, 2, 2049, torch.float32, False, True, "mixed", id="B3-K2-V2049-fp32-nodraft-multitile"),
+    pytest.param(4, 5, 97, torch.float16, True, True, "all", id="B4-K5-V97-fp16-draft-allgreedy"),
+    pytest.param(3, 0, 64, torch.bfloat16, True, False, "none", id="B3-K0-V64-bf16-bonus-only"),
+    pytest.param(4, 16, 300, torch.float32, True, True, "none", id="B4-K16-V300-fp32-draft-ragged"),
+]
+
+
+@pytest.mark.parametrize("fast_backend", FAST)
+@pytest.mark.parametrize("B,K,V,dtype,draft,ragged,greedy", CASES)
+def test_matches_reference_token_for_token(fast_backend, B, K, V, dtype, draft, ragged, greedy):
+    p, q, ids, n, g, noise = make_case(B, K, V, dtype, draft=draft, ragged=ragged, greedy=greedy)
+    noise = noise_for(fast_backend, noise)
+    expected = rejection_sample(p, q, ids, n, greedy=g, noise=noise, backend="reference")
+    actual = rejection_sample(p, q, ids, n, greedy=g, noise=noise, backend=fast_backend)
+    assert actual.token_ids.dtype == actual.num_accepted.dtype == torch.int64
+    assert torch.equal(actual.num_accepted, expected.num_accepted)
+    assert torch.equal(actual.token_ids, expected.token_ids)
+
+
+def test_exact_cases_exercise_rejection_and_full_acceptance():
+    """The exact cases above are only meaningful if they contain both outcomes."""
+    p, q, ids, n, g, noise = make_case(6, 4, 1000, torch.float32, draft=True, ragged=True, greedy="none")
+    out = rejection_sample(p, q, ids, n, noise=noise._replace(exponential=None), backend="reference")
+    assert (out.num_accepted < n).any() and (out.num_accepted == n).any() and (out.num_accepted > 0).any()
+
+
+LOGIT_CASES = [
+    pytest.param(dict(temperature=1.0), torch.float32, True, id="T1-fp32-draft"),
+    pytest.param(dict(temperature="rows"), torch.float16, True, id="Trows-with-zeros-fp16-draft"),
+    pytest.param(dict(temperature=0.7, top_k=7), torch.bfloat16, True, id="T0.7-topk7-bf16-draft"),
+    pytest.param(dict(temperature=1.3, top_p=0.8), torch.float32, False, id="T1.3-topp0.8-fp32-nodraft"),
+    pytest.param(
+        dict(temperature="rows", top_k=40, top_p=0.9), torch.float32, True, id="Trows-topk40-topp0.9"
+    ),
+    pytest.param(dict(temperature=0.0), torch.float16, False, id="T0-greedy-fp16-nodraft"),
+]
+
+
+@pytest.mark.parametrize("fast_backend", FAST)
+@pytest.mark.parametrize("params,dtype,draft", LOGIT_CASES)
+def test_logits_matches_reference_token_for_token(fast_backend, params, dtype, draft):
+    B, K, V = 6, 4, 333
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(B, K + 1, V, generator=gen) * 2
+    target = (base + 0.5 * torch.randn(B, K + 1, V, generator=gen)).to(dtype)
+    draft_logits = (base[:, :K] + 0.5 * torch.randn(B, K, V, generator=gen)).to(dtype) if draft else None
+    params = dict(params)
+    if params.get("temperature") == "rows":
+        params["temperature"] = torch.tensor([0.0, 0.5, 1.0, 0.0, 2.0, 0.8])
+    probs = process_logits(target[:, :K], **params)
+    ids = torch.multinomial(probs.reshape(-1, V), 1, generator=gen).reshape(B, K)
+    n = torch.tensor([0, 4, 2, 3, 4, 1])
+    noise = noise_for(fast_backend, make_rejection_noise(B, K, V, generator=torch.Generator().manual_seed(4)))
+    expected = rejection_sample_logits(
+        target, draft_logits, ids, n, noise=noise, backend="reference", **params
+    )
+    actual = rejection_sample_logits(
+        target, draft_logits, ids, n, noise=noise, backend=fast_backend, **params
+    )
+    assert torch.equal(actual.num_accepted, expected.num_accepted)
+    assert torch.equal(actual.token_ids, expected.token_ids)
+
+
+# --------------------------------------------------------------------------- semantics on known outcomes
+
+
+def one_hot(V: int, *tokens: int) -> torch.Tensor:
+    t = torch.zeros(len(tokens), V)
+    t[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return t
+
+
+def test_known_outcomes(backend):
+    """One-hot targets make every outcome deterministic, whatever the random draws."""
+    V = 10
+    p = torch.stack(
+        [
+            one_hot(V, 3, 5, 7),  # row 0: drafts 3, 5 match p exactly -> accept both, bonus 7
+            one_hot(V, 2, 5, 7),  # row 1: draft 4 has p = 0 -> rejected at 0, residual mass only at 2
+            one_hot(V, 3, 5, 7),  # row 2: n = 0 -> bonus from p_0
+            one_hot(V, 3, 6, 7),  # row 3: greedy: draft 3 == argmax, draft 5 != 6 -> emit 6
+            one_hot(V, 1, 5, 7),  # row 4: q(draft) == 0 rejects although p(draft) = 1
+        ]
+    )
+    q = torch.full((5, 2, V), 1.0 / V)
+    q[4, 0] = torch.tensor([0.0] + [1.0 / 9] * 9)
+    ids = torch.tensor([[3, 5], [4, 5], [3, 5], [3, 5], [0, 5]])
+    n = torch.tensor([2, 2, 0, 2, 2])
+    greedy = torch.tensor([False, False, False, True, False])
+    out = rejection_sample(p, q, ids, n, greedy=greedy, seed=11, backend=backend)
+    assert out.num_accepted.tolist() == [2, 0, 0, 1, 0]
+    assert out.token_ids.tolist() == [[3, 5, 7], [2, -1, -1], [3, -1, -1], [3, 6, -1], [1, -1, -1]]
+
+
+def test_known_outcomes_without_draft_probs(backend):
+    V = 6
+    p = torch.stack([one_hot(V, 1, 2, 3), one_hot(V, 1, 2, 3)])
+    p[1, 0] = torch.tensor([0.0, 0.5, 0.0, 0.0, 0.5, 0.0])  # draft 1 rejected w.p. 1/2; residual only at 4
+    ids = torch.tensor([[1, 2], [1, 2]])
+    outs = [rejection_sample(p, None, ids, seed=s, backend=backend) for s in range(8)]
+    assert all(o.token_ids[0].tolist() == [1, 2, 3] for o in outs)
+    row1 = {tuple(o.token_ids[1].tolist()) for o in outs}
+    assert row1 <= {(1, 2, 3), (4, -1, -1)} and len(row1) == 2
+
+
+def test_zero_residual_mass_falls_back_to_target(backend):
+    """p_0 == q_0 (one-hot at 2) and the draft 4 has q = 0, so it is rejected with a residual
+    max(p - q, 0) that is zero everywhere: the corrected token comes from p_0, i.e. 2."""
+    V = 5
+    p = one_hot(V, 2, 0)[None]
+    q = one_hot(V, 2)[None]
+    ids = torch.tensor([[4]])  # q(4) = 0 -> rejected; residual max(p - q, 0) = 0 everywhere
+    out = rejection_sample(p, q, ids, seed=0, backend=backend)
+    assert out.token_ids.tolist() == [[2, -1]] and out.num_accepted.tolist() == [0]
+
+
+@pytest.mark.parametrize("backend_", ["reference", "torch", pytest.param("triton", marks=needs_triton)])
+def test_first_rejection_index(backend_):
+    accepted = torch.tensor(
+        [
+            [True, True, False, True],
+            [True, True, True, True],
+            [False, True, True, True],
+            [True, False, True, True],
+            [True, True, True, False],
+        ]
+    )
+    n = torch.tensor([4, 3, 2, 1, 0])
+    assert first_rejection_index(accepted, n, backend=backend_).tolist() == [2, 3, 0, 1, 0]
+    assert first_rejection_index(accepted, backend=backend_).tolist() == [2, 4, 0, 1, 3]
+    big = torch.rand(7, 37, generator=torch.Generator().manual_seed(0)) < 0.95
+    nb = torch.tensor([0, 37, 5, 20, 36, 1, 30])
+    assert torch.equal(
+        first_rejection_index(big, nb, backend=backend_), first_rejection_index(big, nb, backend="reference")
+    )
+
+
+# --------------------------------------------------------------------------- logits helpers
+
+
+def test_process_logits_definition():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0], [0.5, 0.5, 4.0, 1.0, 0.0]])
+    torch.testing.assert_close(process_logits(logits, 2.0), torch.softmax(logits / 2, -1))
+    top2 = process_logits(logits, 1.0, top_k=2)
+    assert (top2 > 0).sum(-1).tolist() == [2, 2]
+    torch.testing.assert_close(top2[0, [1, 2]], torch.softmax(torch.tensor([3.0, 2.0]), -1))
+    # top_p = 0.5 keeps only the first token of row 1 (mass 0.88 >= 0.5) and two of row 0.
+    top_p = process_logits(logits, 1.0, top_p=0.7)
+    assert (top_p > 0).sum(-1).tolist() == [2, 1]
+    greedy = process_logits(logits, torch.tensor([0.0, 1.0]))
+    assert greedy[0].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(greedy[1], torch.softmax(logits[1], -1))
+    assert process_logits(logits.half(), 1.0).dtype == torch.float32
+
+
+def test_sample_logits_greedy_rows_and_support():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    temperature = (torch.arange(64) % 2).float()  # even rows greedy
+    tok = sample_logits(logits, temperature, top_k=3, generator=torch.Generator().manual_seed(1))
+    assert tok.dtype == torch.int64 and tok.shape == (64,)
+    assert torch.equal(tok[::2], logits[::2].argmax(-1))
+    top3 = logits.topk(3, -1).indices
+    assert (top3 == tok[:, None]).any(-1).all()
+    with SyncCounter() as syncs:
+        sample_logits(logits, temperature, top_p=0.9)
+    assert syncs.count == 0, syncs.events
+
+
+# --------------------------------------------------------------------------- reproducibility
+
+
+@pytest.mark.parametrize("backend_", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_same_seed_same_tokens_and_rows_independent(backend_):
+    B, K, V = 12, 3, 50
+    p = torch.softmax(torch.randn(1, K + 1, V, generator=torch.Generator().manual_seed(0)), -1).expand(
+        B, -1, -1
+    )
+    q = torch.softmax(torch.randn(1, K, V, generator=torch.Generator().manual_seed(1)), -1).expand(B, -1, -1)
+    ids = torch.randint(0, V, (1, K), generator=torch.Generator().manual_seed(2)).expand(B, -1)
+    seeds = torch.arange(B, dtype=torch.int64) * 7919 + 3
+    a = rejection_sample(p, q, ids, seed=seeds, backend=backend_)
+    b = rejection_sample(p, q, ids, seed=seeds, backend=backend_)
+    assert torch.equal(a.token_ids, b.token_ids)
+    # A row depends on its own seed only: permuting the seeds permutes the rows.
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(3))
+    c = rejection_sample(p, q, ids, seed=seeds[perm], backend=backend_)
+    assert torch.equal(c.token_ids, a.token_ids[perm])
+    # Different seeds give different draws (12 identical rows would be astronomically unlikely).
+    assert len({tuple(r) for r in a.token_ids.tolist()}) > 1
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(
+        rejection_sample(p, q, ids, generator=g1, backend=backend_).token_ids,
+        rejection_sample(p, q, ids, generator=g2, backend=backend_).token_ids,
+    )
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _good():
+    B, K, V = 2, 3, 10
+    return dict(
+        target_probs=torch.full((B, K + 1, V), 0.1),
+        draft_probs=torch.full((B, K, V), 0.1),
+        draft_token_ids=torch.zeros(B, K, dtype=torch.int64),
+        num_draft_tokens=None,
+    )
+
+
+BAD_INPUTS = [
+    pytest.param(dict(target_probs=torch.full((4, 10), 0.1)), ValueError, "target_probs", id="target-rank"),
+    pytest.param(
+        dict(target_probs=torch.ones(2, 4, 10, dtype=torch.int64)), TypeError, "target_probs", id="target-int"
+    ),
+    pytest.param(dict(draft_probs=torch.full((2, 2, 10), 0.1)), ValueError, "draft_probs", id="draft-K"),
+    pytest.param(dict(draft_probs=torch.full((3, 3, 10), 0.1)), ValueError, "draft_probs", id="draft-B"),
+    pytest.param(dict(draft_probs=torch.full((2, 3, 11), 0.1)), ValueError, "draft_probs", id="draft-V"),
+    pytest.param(
+        dict(draft_probs=torch.full((2, 3, 10), 0.1, dtype=torch.float16)),
+        TypeError,
+        "draft_probs",
+        id="draft-dtype",
+    ),
+    pytest.param(
+        dict(draft_token_ids=torch.zeros(2, 4, dtype=torch.int64)),
+        ValueError,
+        "draft_token_ids",
+        id="ids-shape",
+    ),
+    pytest.param(dict(draft_token_ids=torch.zeros(2, 3)), TypeError, "draft_token_ids", id="ids-float"),
+    pytest.param(dict(draft_token_ids=torch.full((2, 3), 10)), ValueError, "draft_token_ids", id="ids-range"),
+    pytest.param(
+        dict(draft_token_ids=torch.full((2, 3), -1)), ValueError, "draft_token_ids", id="ids-negative"
+    ),
+    pytest.param(dict(num_draft_tokens=torch.tensor([0, 4])), ValueError, "num_draft_tokens", id="n-above-K"),
+    pytest.param(
+        dict(num_draft_tokens=torch.tensor([-1, 2])), ValueError, "num_draft_tokens", id="n-negative"
+    ),
+    pytest.param(
+        dict(num_draft_tokens=torch.tensor([1, 2, 3])), ValueError, "num_draft_tokens", id="n-shape"
+    ),
+    pytest.param(
+        dict(num_draft_tokens=torch.tensor([1.0, 2.0])), TypeError, "num_draft_tokens", id="n-float"
+    ),
+    pytest.param(
+        dict(target_probs=torch.full((2, 4, 10), float("nan"))), ValueError, "target_probs", id="nan"
+    ),
+    pytest.param(dict(draft_probs=torch.full((2, 3, 10), float("inf"))), ValueError, "draft_probs", id="inf"),
+    pytest.param(dict(target_probs=torch.full((2, 4, 10), -0.1)), ValueError, "target_probs", id="negative"),
+    pytest.param(dict(greedy=torch.tensor([1, 0])), ValueError, "greedy", id="greedy-int"),
+    pytest.param(dict(seed=1.5), TypeError, "seed", id="seed-float"),
+    pytest.param(dict(seed=torch.tensor([1, 2, 3])), ValueError, "seed", id="seed-shape"),
+    pytest.param(dict(generator=torch.Generator(), seed=1), ValueError, "generator", id="generator-and-seed"),
+    pytest.param(dict(backend="cuda"), ValueError, "backend", id="backend-name"),
+]
+
+
+@pytest.mark.parametrize("change,error,name", BAD_INPUTS)
+def test_bad_input_raises_naming_the_argument(change, error, name):
+    kwargs = {**_good(), **change}
+    with pytest.raises(error, match=name):
+        rejection_sample(**kwargs)
+
+
+def test_tensors_on_different_devices_raise():
+    kwargs = _good()
+    kwargs["draft_probs"] = kwargs["draft_probs"].to("meta")
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample(**kwargs, backend="torch")
+
+
+@pytest.mark.parametrize(
+    "change,error,name",
+    [
+        pytest.param(dict(temperature=-1.0), ValueError, "temperature", id="T-negative"),
+        pytest.param(dict(temperature=torch.ones(3)), ValueError, "temperature", id="T-shape"),
+        pytest.param(dict(top_k=0), ValueError, "top_k", id="topk-0"),
+        pytest.param(dict(top_p=1.5), ValueError, "top_p", id="topp-range"),
+        pytest.param(
+            dict(target_logits=torch.full((2, 4, 10), float("nan"))), ValueError, "target_logits", id="nan"
+        ),
+    ],
+)
+def test_bad_logits_input(change, error, name):
+    kwargs = dict(
+        target_logits=torch.zeros(2, 4, 10),
+        draft_logits=torch.zeros(2, 3, 10),
+        draft_token_ids=torch.zeros(2, 3, dtype=torch.int64),
+    )
+    with pytest.raises(error, match=name):
+        rejection_sample_logits(**{**kwargs, **change})
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "negative", "ids", "counts"])
+def test_invalid_values_without_validation_stay_in_range(backend, poison):
+    B, K, V = 4, 3, 37
+    p, q, ids, n, _, _ = make_case(B, K, V, torch.float32, draft=True, ragged=True, greedy="none")
+    greedy = torch.tensor([False, True, False, True])
+    if poison == "nan":
+        p[:, :, ::3] = float("nan")
+        q[1] = float("nan")
+    elif poison == "inf":
+        p[:, :, 5] = float("inf")
+    elif poison == "negative":
+        p = -p
+        q[0] = -q[0]
+    elif poison == "ids":
+        ids = torch.tensor([[-5, 40, 3], [37, 1, 2], [0, 100, 0], [-1, -1, -1]])
+    else:
+        n = torch.tensor([-3, 9, 2, 100])
+    out = rejection_sample(p, q, ids, n, greedy=greedy, seed=0, validate=False, backend=backend)
+    emitted = out.token_ids.gather(1, out.num_accepted[:, None])
+    assert ((emitted >= 0) & (emitted < V)).all()
+    assert ((out.num_accepted >= 0) & (out.num_accepted <= K)).all()
+
+
+# --------------------------------------------------------------------------- host syncs
+
+
+def test_torch_path_is_sync_free():
+    p, q, ids, n, g, _ = make_case(8, 4, 300, torch.float16, draft=True, ragged=True, greedy="mixed")
+    with SyncCounter() as syncs:
+        rejection_sample(p, q, ids, n, greedy=g, seed=torch.arange(8), validate=False, backend="torch")
+        rejection_sample(
+            p, None, ids, n, generator=torch.Generator().manual_seed(0), validate=False, backend="torch"
+        )
+        rejection_sample_logits(
+            p.float().log(),
+            q.float().log(),
+            ids,
+            n,
+            temperature=torch.rand(8),
+            top_k=20,
+            top_p=0.9,
+            greedy=g,
+            validate=False,
+            backend="torch",
+        )
+        first_rejection_index(torch.rand(8, 4) < 0.5, n, backend="torch")
+    assert syncs.count == 0, syncs.events
+
+
+@needs_triton
+def test_triton_launcher_is_sync_free():
+    """The launchers do no host sync (events inside the Triton interpreter itself are not the op's)."""
+    p, q, ids, n, g, _ = make_case(3, 2, 64, torch.float32, draft=True, ragged=True, greedy="mixed")
+    with SyncCounter() as syncs:
+        rejection_sample(p, q, ids, n, greedy=g, validate=False, backend="triton")
+        rejection_sample_logits(
+            p.log(), q.log(), ids, n, temperature=torch.rand(3), top_k=5, validate=False, backend="triton"
+        )
+    own = [e for e in syncs.events if "/triton/" not in e.where.replace("\\", "/")]
+    assert not own, own
+
+
+# --------------------------------------------------------------------------- bytes and launches
+
+needs_interpreter = pytest.mark.skipif(
+    not (triton_available() and interpreter_enabled()),
+    reason="the traffic meter needs the Triton interpreter",
+)
+
+
+def minimum_bytes_probs(p, q, n, out, greedy) -> int:
+    """Analytic minimum of the probability sampler: per row the ids and the gathers p_i(x_i),
+    q_i(x_i) up to the first rejection, one full row of p (and q at a rejection), the outputs,
+    plus the row's scalars (count, greedy flag, seed). Greedy rows read p rows 0..j in full."""
+    B, K1, V = p.shape
+    es = p.element_size()
+    total = 0
+    for b in range(B):
+        nb, j = int(n[b]), int(out.num_accepted[b])
+        total += 8 + 1 + 8 + K1 * 8 + 8  # count, greedy, seed; outputs
+        if greedy[b]:
+            total += (j + 1) * V * es + min(j + 1, nb) * 8
+            continue
+        gathers = min(j + 1, nb)
+        total += gathers * (8 + es * (2 if q is not None else 1))
+        total += V * es * (2 if (q is not None and j < nb) else 1)
+    return total
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "dtype,draft", [(torch.float32, True), (torch.float16, False), (torch.bfloat16, True)]
+)
+def test_triton_bytes_within_115_percent_of_minimum(dtype, draft):
+    B, K, V = 4, 4, 4096
+    p, q, ids, n, _, _ = make_case(B, K, V, dtype, draft=draft, ragged=True, greedy="none", seed=7)
+    greedy = torch.tensor([False, False, True, False])
+    with TrafficMeter() as meter:
+        out = rejection_sample(p, q, ids, n, greedy=greedy, seed=1, validate=False, backend="triton")
+    assert meter.num_launches <= 2
+    minimum = minimum_bytes_probs(p, q, n, out, greedy)
+    assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
+    # Reading every position's residual row would cost K times more: make sure the test can tell.
+    assert minimum < 0.5 * (B * (K + 1) * V * p.element_size())
+
+
+@needs_interpreter
+def test_triton_logits_bytes_within_115_percent_of_minimum():
+    B, K, V = 4, 3, 4096
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(B, K + 1, V, generator=gen) * 3
+    target = base + 0.3 * torch.randn(B, K + 1, V, generator=gen)
+    draft = base[:, :K] + 0.3 * torch.randn(B, K, V, generator=gen)
+    ids = torch.multinomial(torch.softmax(draft, -1).reshape(-1, V), 1, generator=gen).reshape(B, K)
+    n = torch.tensor([3, 0, 2, 3])
+    with TrafficMeter() as meter:
+        out = rejection_sample_logits(
+            target, draft, ids, n, temperature=0.9, seed=2, validate=False, backend="triton"
+        )
+    assert meter.num_launches <= 2
+    row = V * 4
+    minimum = 0
+    for b in range(B):
+        nb, j = int(n[b]), int(out.num_accepted[b])
+        minimum += 8 + 1 + 4 + 8 + (K + 1) * 8 + 8
+        scanned = min(j + 1, nb)
+        minimum += scanned * (2 * row + 8 + 2 * 4)  # normalizer passes of target and draft rows, gathers
+        minimum += 2 * row if j < nb else row  # residual row (target and draft) or the bonus row
+    assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
