@@ -495,29 +495,25 @@ def _first_rejection_torch(accepted: torch.Tensor, n: torch.Tensor) -> torch.Ten
     return torch.where(rejected, pos, n[:, None]).amin(-1)
 
 
-def _sample_two_level(w: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of one index per row of nonnegative weights, in two levels.
-
-    ``w`` ``[B, V]`` float32, ``uniform`` ``[B, 2]`` in ``[0, 1)``. First a chunk of
-    `SAMPLE_CHUNK` entries with probability proportional to its sum, then an entry of that chunk
-    proportional to its weight. ``u * total < total`` picks the first prefix sum above it, so an
-    entry of weight 0 is never picked. Returns ``[B]`` int64 in ``[0, V)`` (all-zero or NaN rows,
-    possible only without validation, fall back to an index guard).
-    """
+def _chunk_sums(w: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` -> ``[B, ceil(V / C)]`` float32 sums of consecutive chunks of `SAMPLE_CHUNK` entries
+    (the last chunk may be shorter). No copy of ``w`` is made."""
     B, V = w.shape
     C = SAMPLE_CHUNK
-    nC = -(-V // C)
-    if nC * C != V:
-        w = torch.nn.functional.pad(w, (0, nC * C - V))
-    chunks = w.view(B, nC, C)
-    chunk_cdf = chunks.sum(-1).double().cumsum(-1)  # [B, nC]
-    t1 = uniform[:, :1].double() * chunk_cdf[:, -1:]
-    c = torch.searchsorted(chunk_cdf, t1, right=True).clamp_max(nC - 1)  # [B, 1]
-    inner = chunks.gather(1, c[:, :, None].expand(B, 1, C)).squeeze(1)  # [B, C]
-    inner_cdf = inner.double().cumsum(-1)
-    t2 = uniform[:, 1:].double() * inner_cdf[:, -1:]
-    i = torch.searchsorted(inner_cdf, t2, right=True).clamp_max(C - 1)
-    return (c * C + i).squeeze(1).clamp_max(V - 1)
+    full = V // C
+    parts = [w[:, : full * C].reshape(B, full, C).sum(-1)] if full else []
+    if full * C < V:
+        parts.append(w[:, full * C :].sum(-1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _pick(cdf: torch.Tensor, u: torch.Tensor, size: int) -> torch.Tensor:
+    """First index whose prefix sum exceeds ``u * total`` (``u`` in [0, 1)), ``[B, 1]`` int64.
+
+    An entry of weight 0 is never picked. All-zero or NaN rows (possible only without
+    validation) get an index guard, so the result stays in ``[0, size)``.
+    """
+    return torch.searchsorted(cdf, u.double() * cdf[:, -1:], right=True).clamp_max(size - 1)
 
 
 def _rejection_sample_torch(
@@ -548,22 +544,41 @@ def _rejection_sample_torch(
         argmax = target.argmax(-1)  # [B, K+1]
         accepted = torch.where(greedy[:, None], ids == argmax[:, :K], accepted)
     j = _first_rejection_torch(accepted, n)
-    # Residual row at j (or the bonus row p_{n_b}): one row of p and q per batch row.
-    p_j = target[rows, j].float()
-    is_rejection = (j < n)[:, None]
-    if K > 0:
-        jd = j.clamp_max(K - 1)  # a valid row index; only used where j < n <= K
-        if draft is not None:
-            q_j = draft[rows, jd].float()
-            w = torch.where(is_rejection, (p_j - q_j).clamp_min(0.0), p_j)
-        else:
-            x_j = safe_ids.gather(1, jd[:, None])
-            at_x = p_j.gather(1, x_j)
-            w = p_j.scatter(1, x_j, torch.where(is_rejection, (at_x - 1.0).clamp_min(0.0), at_x))
-        w = torch.where(w.sum(-1, keepdim=True) > 0, w, p_j)
+    # Residual row at j (or the bonus row p_{n_b}), sampled by a two-level inverse CDF: chunk sums
+    # of the full row, then one chunk of SAMPLE_CHUNK entries. Each full row is copied once and
+    # updated in place; everything after the chunk sums is [B, nC] or [B, C].
+    C = SAMPLE_CHUNK
+    is_rejection = j < n
+    w = target[rows, j].float()  # p_j, a copy
+    chunk_p = _chunk_sums(w)
+    jd = j.clamp_max(K - 1) if K > 0 else j  # a valid row index; only used where j < n <= K
+    if K > 0 and draft is not None:
+        w.sub_(draft[rows, jd].float()).clamp_min_(0.0)  # max(p_j - q_j, 0)
+    elif K > 0:
+        x_j = safe_ids.gather(1, jd[:, None])
+        w.scatter_(1, x_j, (w.gather(1, x_j) - 1.0).clamp_min_(0.0))  # q one-hot at the draft
+    chunk_w = _chunk_sums(w) if K > 0 else chunk_p
+    cdf_w, cdf_p = chunk_w.double().cumsum(-1), chunk_p.double().cumsum(-1)
+    # Bonus rows sample p_{n_b}; a residual with no mass at all falls back to p_j.
+    use_p = ~is_rejection | ~(cdf_w[:, -1] > 0)
+    cdf = torch.where(use_p[:, None], cdf_p, cdf_w)
+    nC = cdf.shape[1]
+    c = _pick(cdf, noise.uniform[:, :1], nC)  # [B, 1]
+    # The chosen chunk, gathered from the inputs (entries past V get weight 0).
+    cols = c * C + torch.arange(C, device=device)
+    inside = cols < V
+    cols = cols.clamp_max(V - 1)
+    p_c = target[rows[:, None], j[:, None], cols].float()
+    if K > 0 and draft is not None:
+        w_c = (p_c - draft[rows[:, None], jd[:, None], cols].float()).clamp_min(0.0)
+    elif K > 0:
+        w_c = torch.where(cols == x_j, (p_c - 1.0).clamp_min(0.0), p_c)
     else:
-        w = p_j
-    token = _sample_two_level(w, noise.uniform)
+        w_c = p_c
+    w_c = torch.where(use_p[:, None], p_c, w_c)
+    w_c = torch.where(inside, w_c, torch.zeros_like(w_c))
+    i = _pick(w_c.double().cumsum(-1), noise.uniform[:, 1:], C)
+    token = (c * C + i).squeeze(1).clamp_max(V - 1)
     if any_greedy:
         token = torch.where(greedy, argmax.gather(1, j[:, None]).squeeze(1), token)
     pos = torch.arange(K1, device=device)

@@ -25,20 +25,23 @@ def _sample_race(w: torch.Tensor, exponential: torch.Tensor) -> int:
 
 
 def _sample_inverse_cdf(w: torch.Tensor, uniform: torch.Tensor) -> int:
-    """Two-level inverse CDF: a chunk of `SAMPLE_CHUNK` entries proportional to its mass, then an
-    entry of it proportional to its weight (each level: first prefix sum above ``u * total``)."""
+    """Two-level inverse CDF: a chunk of `SAMPLE_CHUNK` consecutive entries (the last one may be
+    shorter) with probability proportional to its mass, then an entry of that chunk proportional
+    to its weight. Each level picks the first prefix sum above ``u * total``, ``u`` in [0, 1), so an
+    entry of weight 0 is never picked."""
     V = w.shape[0]
     C = SAMPLE_CHUNK
-    num_chunks = -(-V // C)
-    padded = torch.zeros(num_chunks * C, dtype=torch.float32)
-    padded[:V] = w
-    chunks = padded.view(num_chunks, C)
-    chunk_cdf = chunks.sum(-1).double().cumsum(0)
+    chunks = [w[start : start + C] for start in range(0, V, C)]
+    full = [ch for ch in chunks if ch.numel() == C]
+    sums = [torch.stack(full).sum(-1)] if full else []
+    if len(full) < len(chunks):
+        sums.append(chunks[-1].sum(-1, keepdim=True))
+    chunk_cdf = torch.cat(sums).double().cumsum(0)
     c = int(torch.searchsorted(chunk_cdf, uniform[0].double() * chunk_cdf[-1], right=True))
-    c = min(c, num_chunks - 1)
+    c = min(c, len(chunks) - 1)
     inner_cdf = chunks[c].double().cumsum(0)
     i = int(torch.searchsorted(inner_cdf, uniform[1].double() * inner_cdf[-1], right=True))
-    return min(c * C + min(i, C - 1), V - 1)
+    return min(c * C + min(i, chunks[c].numel() - 1), V - 1)
 
 
 def rejection_sample(
