@@ -4,9 +4,15 @@
 Run: ``python -m pytest benchmarks/test_bench_sampling.py --benchmark-group-by=param:shape``
 Goals (issue 3): at B=16, K=4, V=49152 fp32 the torch path is >= 10x faster than the per-row
 baseline called 16 times; at B=1 it is no slower; time at B=64 <= 5x time at B=16.
+
+CPU threads: every CPU row runs with ``SPECDEC_BENCH_THREADS`` torch threads (default 1), as in
+``test_bench_attention.py``: on a shared, oversubscribed VM, OpenMP regions with 2 threads wait for
+descheduled workers and the timings measure the scheduler.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -16,6 +22,15 @@ from specdec_kernels import rejection_sample
 
 V = 49152
 K = 4
+THREADS = int(os.environ.get("SPECDEC_BENCH_THREADS", "1"))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(saved)
 
 
 def hf_speculative_sampling(candidate_input_ids: torch.Tensor, q: torch.Tensor, p: torch.Tensor):
@@ -79,7 +94,7 @@ CPU_ROWS = [
 def test_rejection_sample_cpu(benchmark, B, impl):
     p, q, ids = make_inputs(B)
     benchmark.group = f"rejection_sample CPU B={B} K={K} V={V} fp32"
-    benchmark.extra_info.update(B=B, K=K, V=V, impl=impl)
+    benchmark.extra_info.update(B=B, K=K, V=V, impl=impl, threads=THREADS)
     if impl == "hf_per_row":
         fn = lambda: hf_per_row(p, q, ids)
     else:

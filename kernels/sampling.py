@@ -34,8 +34,28 @@ from .registry import KernelSpec, register, torch_dtype_to_triton
 BK = 16
 #: Vocabulary tile.
 BV = 1024
-NUM_WARPS = 4
+NUM_WARPS = 8
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+#: Per-call runtime flags (never specialized, so one compiled kernel serves every call). Row
+#: inputs that are not given as tensors (counts, greedy flags, seeds) come in as scalars, so a call
+#: needs no extra launches to materialize them.
+_FLAGS = ["has_n", "has_greedy", "greedy_all", "has_row_seed", "seed_base"]
+
+
+@triton.jit
+def _row_inputs(
+    i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_base
+):
+    """(draft count clamped to [0, K], sampled-row flag, Philox seed) of row ``i_b``."""
+    n = tl.load(n_ptr + i_b, mask=has_n != 0, other=0).to(tl.int32)
+    n = tl.minimum(tl.maximum(tl.where(has_n != 0, n, K), 0), K)
+    g = tl.load(greedy_ptr + i_b, mask=has_greedy != 0, other=0)
+    sampled = (g == 0) & (greedy_all == 0)
+    row_seed = tl.load(seed_ptr + i_b, mask=(has_row_seed != 0) & (use_noise == 0), other=0)
+    seed = tl.where(has_row_seed != 0, row_seed, seed_base + i_b)
+    return n, sampled, seed
 
 
 @triton.jit
@@ -81,7 +101,9 @@ def _store_output(ids_ptr, token_ptr, num_acc_ptr, i_b, K, j, tok, BK: tl.conste
     tl.store(num_acc_ptr + i_b, j.to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["K", "V", "stride_tb", "stride_tk", "stride_db", "stride_dk"])
+@triton.jit(
+    do_not_specialize=["K", "V", "stride_tb", "stride_tk", "stride_db", "stride_dk", "use_noise", *_FLAGS]
+)
 def _rejection_sample_kernel(
     target_ptr,
     draft_ptr,
@@ -100,15 +122,20 @@ def _rejection_sample_kernel(
     stride_db,
     stride_dk,
     use_noise,
+    has_n,
+    has_greedy,
+    greedy_all,
+    has_row_seed,
+    seed_base,
     HAS_DRAFT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
-    n = tl.load(n_ptr + i_b).to(tl.int32)
-    sampled = tl.load(greedy_ptr + i_b) == 0
+    n, sampled, seed = _row_inputs(
+        i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_base
+    )
     noisy = use_noise != 0
-    seed = tl.load(seed_ptr + i_b, mask=~noisy, other=0)
     p_t = target_ptr + i_b * stride_tb
     p_d = draft_ptr + i_b * stride_db
 
@@ -200,14 +227,28 @@ def _prob_at(row_ptr, x, m_x, DIVISOR, thr, m, s):
     return tl.exp(b_l - tl.where(m == float("-inf"), 0.0, m)) / s
 
 
-@triton.jit(do_not_specialize=["K", "V", "stride_tb", "stride_tk", "stride_db", "stride_dk"])
+@triton.jit(
+    do_not_specialize=[
+        "K",
+        "V",
+        "stride_tb",
+        "stride_tk",
+        "stride_db",
+        "stride_dk",
+        "use_noise",
+        *_FLAGS,
+        "has_thr",
+        "has_temp_rows",
+        "temp_scalar",
+    ]
+)
 def _rejection_sample_logits_kernel(
     target_ptr,
     draft_ptr,
     ids_ptr,
     n_ptr,
     greedy_ptr,
-    divisor_ptr,
+    temp_ptr,
     thr_t_ptr,
     thr_d_ptr,
     seed_ptr,
@@ -222,18 +263,29 @@ def _rejection_sample_logits_kernel(
     stride_db,
     stride_dk,
     use_noise,
+    has_n,
+    has_greedy,
+    greedy_all,
+    has_row_seed,
+    seed_base,
     has_thr,
+    has_temp_rows,
+    temp_scalar,
     HAS_DRAFT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
-    n = tl.load(n_ptr + i_b).to(tl.int32)
-    sampled = tl.load(greedy_ptr + i_b) == 0
-    D = tl.load(divisor_ptr + i_b)
+    n, sampled, seed = _row_inputs(
+        i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_base
+    )
+    # Temperature 0 means greedy; other rows divide their logits by the temperature.
+    T = tl.load(temp_ptr + i_b, mask=has_temp_rows != 0, other=0.0)
+    T = tl.where(has_temp_rows != 0, T, temp_scalar)
+    sampled = sampled & (T != 0)
+    D = tl.where(T == 0, 1.0, T)
     noisy = use_noise != 0
     filtered = has_thr != 0
-    seed = tl.load(seed_ptr + i_b, mask=~noisy, other=0)
     p_t = target_ptr + i_b * stride_tb
     p_d = draft_ptr + i_b * stride_db
 
@@ -359,6 +411,11 @@ def _signature(kind: str, dtype: torch.dtype) -> dict[str, str]:
         "stride_db": "i32",
         "stride_dk": "i32",
         "use_noise": "i32",
+        "has_n": "i32",
+        "has_greedy": "i32",
+        "greedy_all": "i32",
+        "has_row_seed": "i32",
+        "seed_base": "i64",
     }
     const = {"HAS_DRAFT": "constexpr", "BK": "constexpr", "BV": "constexpr"}
     rand = {"seed_ptr": "*i64", "accept_ptr": "*fp32", "exp_ptr": "*fp32"}
@@ -367,13 +424,15 @@ def _signature(kind: str, dtype: torch.dtype) -> dict[str, str]:
         return {**common_in, **rand, **out, **ints, **const}
     return {
         **common_in,
-        "divisor_ptr": "*fp32",
+        "temp_ptr": "*fp32",
         "thr_t_ptr": "*fp32",
         "thr_d_ptr": "*fp32",
         **rand,
         **out,
         **ints,
         "has_thr": "i32",
+        "has_temp_rows": "i32",
+        "temp_scalar": "fp32",
         **const,
     }
 
@@ -384,7 +443,10 @@ for _kind, _kernel in _KERNELS.items():
     for _dtype in DTYPES:
         for _has_draft in (True, False):
             _name, _constexprs, _warps = _config(_kind, _dtype, _has_draft)
-            register(KernelSpec(_name, _kernel, _signature(_kind, _dtype), _constexprs, num_warps=_warps))
+            _sig = _signature(_kind, _dtype)
+            # Every pointer is a torch allocation (16-byte aligned), as the JIT specializes real launches.
+            _aligned = tuple(k for k, v in _sig.items() if v.startswith("*"))
+            register(KernelSpec(_name, _kernel, _sig, _constexprs, num_warps=_warps, aligned=_aligned))
 register(
     KernelSpec(
         f"sampling.first_rejection[BK={BK}]",
@@ -392,6 +454,7 @@ register(
         {"accepted_ptr": "*u8", "n_ptr": "*i64", "out_ptr": "*i64", "K": "i32", "BK": "constexpr"},
         {"BK": BK},
         num_warps=1,
+        aligned=("accepted_ptr", "n_ptr", "out_ptr"),
     )
 )
 
@@ -399,36 +462,41 @@ register(
 # --------------------------------------------------------------------------- launchers
 
 
-def _seeds(
-    generator: torch.Generator | None, seed: int | torch.Tensor | None, B: int, device: torch.device
-) -> torch.Tensor:
-    """``[B]`` int64 per-row Philox seeds: as given, ``seed + b``, or drawn from ``generator``."""
-    if isinstance(seed, torch.Tensor):
-        return seed.to(device=device, dtype=torch.int64).contiguous()
-    if seed is not None:
-        return torch.arange(B, device=device, dtype=torch.int64) + seed
-    return torch.randint(0, 2**62, (B,), device=device, dtype=torch.int64, generator=generator)
-
-
-def _noise_args(
-    noise: RejectionNoise | None,
-    generator: torch.Generator | None,
-    seed: int | torch.Tensor | None,
+def _row_args(
     B: int,
     device: torch.device,
-    dummy: torch.Tensor,
-) -> tuple:
-    if noise is not None:
+    n: torch.Tensor | None,
+    greedy: bool | torch.Tensor,
+    generator: torch.Generator | None,
+    seed: int | torch.Tensor | None,
+    noise: RejectionNoise | None,
+) -> tuple[list, list]:
+    """Pointer and scalar arguments for the row inputs; nothing is materialized that was not given,
+    except the per-row seeds drawn from ``generator`` (one small launch, no host sync)."""
+    f32 = torch.empty(1, dtype=torch.float32, device=device)
+    i64 = torch.empty(1, dtype=torch.int64, device=device)
+    u8 = torch.empty(1, dtype=torch.uint8, device=device)
+    has_n = n is not None
+    n_arg = n.to(torch.int64) if has_n else i64
+    has_greedy = isinstance(greedy, torch.Tensor)
+    greedy_arg = greedy.view(torch.uint8) if has_greedy else u8
+    greedy_all = int(greedy) if not has_greedy else 0
+    accept = exp = f32
+    use_noise = noise is not None
+    seeds, has_row_seed, seed_base = i64, False, 0
+    if use_noise:
         if noise.exponential is None:
             raise ValueError("the triton backend consumes noise.exponential ([B, V] float32); it is None")
-        return (
-            dummy.new_zeros(1, dtype=torch.int64),
-            noise.accept.contiguous(),
-            noise.exponential.contiguous(),
-            1,
-        )
-    f32 = torch.zeros(1, dtype=torch.float32, device=device)
-    return _seeds(generator, seed, B, device), f32, f32, 0
+        accept, exp = noise.accept.contiguous(), noise.exponential.contiguous()
+    elif isinstance(seed, torch.Tensor):
+        seeds, has_row_seed = seed.to(torch.int64).contiguous(), True
+    elif seed is not None:
+        seed_base = int(seed)
+    else:
+        seeds, has_row_seed = torch.randint(0, 2**62, (B,), device=device, generator=generator), True
+    pointers = [n_arg, greedy_arg, seeds, accept, exp]
+    scalars = [int(use_noise), int(has_n), int(has_greedy), greedy_all, int(has_row_seed), seed_base]
+    return pointers, scalars
 
 
 def _outputs(B: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,29 +514,31 @@ def rejection_sample_triton(
     target: torch.Tensor,
     draft: torch.Tensor | None,
     ids: torch.Tensor,
-    n: torch.Tensor,
-    greedy: torch.Tensor,
+    n: torch.Tensor | None,
+    greedy: bool | torch.Tensor,
     *,
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     noise: RejectionNoise | None = None,
 ) -> RejectionOutput:
-    """Launch `_rejection_sample_kernel` (one launch, grid ``(B,)``). Inputs already validated:
-    target ``[B, K+1, V]``, draft ``[B, K, V]`` or None, ids ``[B, K]`` int64, n ``[B]`` int64,
-    greedy ``[B]`` bool."""
+    """Launch `_rejection_sample_kernel` (one launch, grid ``(B,)``; one more small launch when
+    seeds are drawn from a generator). Inputs already validated: target ``[B, K+1, V]``, draft
+    ``[B, K, V]`` or None, ids ``[B, K]`` int64, n ``[B]`` integer or None, greedy bool or ``[B]`` bool."""
     B, K1, V = target.shape
     K = K1 - 1
     target = _contiguous_rows(target)
     draft_arg = _contiguous_rows(draft) if draft is not None else target
-    seeds, accept, exp, use_noise = _noise_args(noise, generator, seed, B, target.device, ids)
+    (n_arg, greedy_arg, seeds, accept, exp), scalars = _row_args(
+        B, target.device, n, greedy, generator, seed, noise
+    )
     tokens, num_acc = _outputs(B, K, target.device)
     _, constexprs, num_warps = _config("probs", target.dtype, draft is not None)
     _rejection_sample_kernel[(B,)](
         target,
         draft_arg,
         ids.contiguous(),
-        n,
-        greedy.view(torch.uint8),
+        n_arg,
+        greedy_arg,
         seeds,
         accept,
         exp,
@@ -480,7 +550,7 @@ def rejection_sample_triton(
         target.stride(1),
         draft_arg.stride(0),
         draft_arg.stride(1),
-        use_noise,
+        *scalars,
         num_warps=num_warps,
         **constexprs,
     )
@@ -491,8 +561,8 @@ def rejection_sample_logits_triton(
     target: torch.Tensor,
     draft: torch.Tensor | None,
     ids: torch.Tensor,
-    n: torch.Tensor,
-    greedy: torch.Tensor,
+    n: torch.Tensor | None,
+    greedy: bool | torch.Tensor,
     temperature: float | torch.Tensor,
     top_k: int | None,
     top_p: float | None,
@@ -501,9 +571,10 @@ def rejection_sample_logits_triton(
     seed: int | torch.Tensor | None = None,
     noise: RejectionNoise | None = None,
 ) -> RejectionOutput:
-    """Launch `_rejection_sample_logits_kernel` (one launch, grid ``(B,)``).
+    """Launch `_rejection_sample_logits_kernel` (one launch, grid ``(B,)``; plus the seed draw from
+    a generator, and torch ops for the thresholds when top-k / top-p are set).
 
-    ``greedy`` must already include the temperature-0 rows. With top-k / top-p, the per-row,
+    Rows with temperature 0 are greedy (decided in the kernel). With top-k / top-p, the per-row,
     per-position logit thresholds are computed with torch first (`logit_thresholds`).
     """
     B, K1, V = target.shape
@@ -511,28 +582,28 @@ def rejection_sample_logits_triton(
     device = target.device
     target = _contiguous_rows(target)
     draft_arg = _contiguous_rows(draft) if draft is not None else target
-    divisor, _ = _temperature_rows(temperature, B, device)
-    f32 = torch.zeros(1, dtype=torch.float32, device=device)
+    f32 = torch.empty(1, dtype=torch.float32, device=device)
+    has_temp_rows = isinstance(temperature, torch.Tensor)
+    temp_arg = temperature.to(torch.float32).contiguous() if has_temp_rows else f32
+    temp_scalar = 0.0 if has_temp_rows else float(temperature)
     thr_t = thr_d = f32
     has_thr = 0
     if top_k is not None or top_p is not None:
+        divisor, _ = _temperature_rows(temperature, B, device)
         thr_t = logit_thresholds(target.float() / divisor[:, None, None], top_k, top_p).contiguous()
-        thr_d = (
-            logit_thresholds(draft.float() / divisor[:, None, None], top_k, top_p).contiguous()
-            if draft is not None
-            else f32
-        )
+        if draft is not None:
+            thr_d = logit_thresholds(draft.float() / divisor[:, None, None], top_k, top_p).contiguous()
         has_thr = 1
-    seeds, accept, exp, use_noise = _noise_args(noise, generator, seed, B, device, ids)
+    (n_arg, greedy_arg, seeds, accept, exp), scalars = _row_args(B, device, n, greedy, generator, seed, noise)
     tokens, num_acc = _outputs(B, K, device)
     _, constexprs, num_warps = _config("logits", target.dtype, draft is not None)
     _rejection_sample_logits_kernel[(B,)](
         target,
         draft_arg,
         ids.contiguous(),
-        n,
-        greedy.view(torch.uint8),
-        divisor,
+        n_arg,
+        greedy_arg,
+        temp_arg,
         thr_t,
         thr_d,
         seeds,
@@ -546,8 +617,10 @@ def rejection_sample_logits_triton(
         target.stride(1),
         draft_arg.stride(0),
         draft_arg.stride(1),
-        use_noise,
+        *scalars,
         has_thr,
+        int(has_temp_rows),
+        temp_scalar,
         num_warps=num_warps,
         **constexprs,
     )

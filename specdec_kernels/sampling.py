@@ -664,13 +664,21 @@ def rejection_sample(
             noise=noise,
             validate=False,
         )
-    ids, n, g = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
     if backend == "triton":
         from .kernels.sampling import rejection_sample_triton
 
+        # Counts, greedy flags and seeds go to the kernel as given (it clamps counts to [0, K]).
         return rejection_sample_triton(
-            target_probs, draft_probs, ids, n, g, generator=generator, seed=seed, noise=noise
+            target_probs,
+            draft_probs,
+            draft_token_ids.to(torch.int64),
+            num_draft_tokens,
+            greedy,
+            generator=generator,
+            seed=seed,
+            noise=noise,
         )
+    ids, n, g = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
     if noise is None or noise.uniform is None:
         accept = noise.accept if noise is not None else None
         noise = make_rejection_noise(B, K, generator=generator, seed=seed, device=target_probs.device)
@@ -742,21 +750,16 @@ def rejection_sample_logits(
             ((temperature < 0) | ~torch.isfinite(temperature)).any()
         ):
             raise ValueError("temperature must be finite and >= 0")
-    if isinstance(temperature, torch.Tensor):
-        row_greedy = temperature == 0
-        greedy = row_greedy | greedy
-    elif temperature == 0:
-        greedy = True
     if backend == "triton":
         from .kernels.sampling import rejection_sample_logits_triton
 
-        ids, n, g = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
+        # Temperature-0 rows are made greedy inside the kernel.
         return rejection_sample_logits_triton(
             target_logits,
             draft_logits,
-            ids,
-            n,
-            g,
+            draft_token_ids.to(torch.int64),
+            num_draft_tokens,
+            greedy,
             temperature,
             top_k,
             top_p,
@@ -764,6 +767,11 @@ def rejection_sample_logits(
             seed=seed,
             noise=noise,
         )
+    if isinstance(temperature, torch.Tensor):
+        row_greedy = temperature == 0
+        greedy = row_greedy | greedy
+    elif temperature == 0:
+        greedy = True
     target_probs = process_logits(target_logits, temperature, top_k, top_p)
     draft_probs = (
         process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
