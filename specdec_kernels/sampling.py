@@ -549,11 +549,14 @@ def _rejection_sample_torch(
     # updated in place; everything after the chunk sums is [B, nC] or [B, C].
     C = SAMPLE_CHUNK
     is_rejection = j < n
-    w = target[rows, j].float()  # p_j, a copy
+    # index_select on the flattened rows copies whole rows (memcpy); advanced indexing
+    # target[rows, j] computes an offset per element and is ~4x slower here.
+    w = target.reshape(B * K1, V).index_select(0, rows * K1 + j).float()  # p_j, a fresh copy
     chunk_p = _chunk_sums(w)
     jd = j.clamp_max(K - 1) if K > 0 else j  # a valid row index; only used where j < n <= K
     if K > 0 and draft is not None:
-        w.sub_(draft[rows, jd].float()).clamp_min_(0.0)  # max(p_j - q_j, 0)
+        q_j = draft.reshape(B * K, V).index_select(0, rows * K + jd)
+        w.sub_(q_j).clamp_min_(0.0)  # max(p_j - q_j, 0), in float32
     elif K > 0:
         x_j = safe_ids.gather(1, jd[:, None])
         w.scatter_(1, x_j, (w.gather(1, x_j) - 1.0).clamp_min_(0.0))  # q one-hot at the draft
