@@ -12,8 +12,9 @@ Backends (see `specdec_kernels._backend`):
 - ``"reference"``: `specdec_kernels.reference.attention`, row by row in fp32;
 - ``"torch"``: vectorized and sync-free (no Python loop over rows, no host read of a length):
   the G query heads of a KV head and the T queries of a row are packed into one matrix, so each
-  KV head's cache is multiplied once; a boolean mask built on device covers causality, the ragged
-  lengths and the padding rows. Half-precision inputs are computed in fp32;
+  KV head's cache is multiplied once; a boolean mask built on device covers causality and the
+  ragged lengths, V's entries beyond each length are zeroed bitwise (a NaN there would survive a
+  zero weight), padding rows are zeroed at the end. Half-precision inputs are computed in fp32;
 - ``"triton"``: `specdec_kernels.kernels.attention`, split-KV (flash-decoding) with a
   log-sum-exp merge; the split count is chosen per row on the device.
 
@@ -128,34 +129,36 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     B, T, Hq, D = q.shape
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    device = q.device
-    lengths = cache_seqlens.to(torch.int64)
-    steps = torch.arange(T, device=device)
-    if q_seqlens is None:
-        positions = (lengths[:, None] - T) + steps                       # [B, T]
-        real = None
-    else:
-        n = q_seqlens.to(torch.int64)[:, None]
-        real = steps < n                                                  # [B, T]
-        # Padding rows attend like the row's last real query (every valid key; zeroed below).
-        positions = lengths[:, None] - n + torch.minimum(steps, n - 1)
-    keys = torch.arange(Lmax, device=device)
-    allowed = keys <= positions[:, :, None]                               # [B, T, Lmax]
-    # Packed rows r = g * T + t of one KV head share the mask of query t.
-    blocked = ~allowed[:, None].expand(B, G, T, Lmax).reshape(B, G * T, Lmax)
-    # Entries beyond a row's length are never trusted: a NaN there times a zero weight is NaN.
-    v_valid = torch.where((keys < lengths[:, None])[:, :, None, None], v_cache, 0).float()
-    k_all = k_cache if k_cache.dtype == torch.float32 else k_cache.float()
-    q_packed = (q.float() * scale).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-    out = q_packed.new_empty(B, Hkv, G * T, D)
-    for h in range(Hkv):  # a few KV heads; each is one batched matmul over all rows
-        scores = torch.bmm(q_packed[:, h], k_all[:, :, h].transpose(1, 2))  # [B, G*T, Lmax]
-        scores.masked_fill_(blocked, float("-inf"))
-        torch.bmm(torch.softmax(scores, dim=-1), v_valid[:, :, h], out=out[:, h])
-    out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
-    if real is not None:
-        out = torch.where(real[:, :, None, None], out, 0.0)
-    return out.to(q.dtype)
+    lengths = cache_seqlens.view(B, 1)
+    n = T if q_seqlens is None else q_seqlens.view(B, 1)
+    steps = torch.arange(T, device=q.device)
+    keys = torch.arange(Lmax, device=q.device)
+    # Query t of row b sees keys 0 .. last[b, t]; padding rows (t >= n) reach past the row's
+    # length (possibly NaN) and are zeroed at the end.
+    last = lengths - n + steps                                                # [B, T]
+    allowed = (keys <= last.unsqueeze(2)).unsqueeze(2)                         # [B, T, 1, Lmax]
+    # Entries beyond a row's length are never trusted. A NaN key there gives a NaN score, which
+    # the mask below replaces by -inf; a NaN value times a zero weight is NaN in P @ V, so each
+    # KV head's V is copied with its tail zeroed right before its P @ V (still in cache): a
+    # bitwise AND with keep = -1 or 0, exact for every valid value (torch.where took up to 10x
+    # longer on CPU).
+    keep = -(keys < lengths).view(torch.int8).unsqueeze(2)                     # [B, Lmax, 1]
+    k, v = k_cache.float(), v_cache.float()
+    # Packed rows r = t * G + g of KV head h: its G query heads times the row's T queries.
+    q_packed = (q.float() * scale).view(B, T, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, T * G, D)
+    scores = q_packed.new_empty(Hkv, B, T * G, Lmax)
+    # One batched matmul over all rows per KV head (K read in place: [B, D, Lmax] strided views).
+    for q_h, k_h, s_h in zip(q_packed, k.permute(2, 0, 3, 1), scores, strict=True):
+        torch.bmm(q_h, k_h, out=s_h)
+    scores = scores.view(Hkv, B, T, G, Lmax)
+    probs = torch.where(allowed, scores, float("-inf")).softmax(-1).view(Hkv, B, T * G, Lmax)
+    out = q_packed.new_empty(Hkv, B, T * G, D)
+    for p_h, v_h, o_h in zip(probs, v.permute(2, 0, 1, 3), out, strict=True):
+        torch.bmm(p_h, (v_h.view(torch.int32) & keep).view(torch.float32), out=o_h)
+    out = out.view(Hkv, B, T, G, D).permute(1, 2, 0, 3, 4)                    # [B, T, Hkv, G, D]
+    if q_seqlens is not None:
+        out = torch.where((steps < n).view(B, T, 1, 1, 1), out, 0.0)
+    return out.reshape(B, T, Hq, D).to(q.dtype)
 
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
