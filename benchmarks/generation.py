@@ -8,14 +8,15 @@ Compared side by side in one run, greedy, same weights, same prompts:
   our `generate` vs Hugging Face assisted generation with the same draft (``prompt_lookup_num_tokens=``,
   ``assistant_model=``), which supports one row at a time, so batch 8 loops over rows;
 - efficiency: measured speedup / predicted speedup, predicted = (1 - a^(K+1)) / ((1 - a)(K c + v))
-  with a = acceptance rate, c = draft step / target step, v = target verify of K+1 tokens /
-  target step, all measured here.
+  with a = acceptance rate, c = draft time per drafted token / target step, v = target verify of
+  K+1 tokens / target step, all from the phase timers of the same runs (target step = our plain
+  run's target time per forward; verify = the speculative run's target time per forward). What
+  efficiency misses from 1 is time outside the model forwards: sampler, drafting bookkeeping, loop.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -97,32 +98,6 @@ def run_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None
         return total
 
 
-def step_times(setup: Setup, batch_size: int, k: int, reps: int = 5) -> dict[str, float]:
-    """Median seconds of one target decode step, one target verify of K+1 tokens, and one
-    draft (first layers) decode step, at the prompt length of this batch."""
-    ids, mask = encode(setup, batch_size)
-    lengths = mask.sum(1)
-    order = torch.argsort((mask == 0).to(torch.int8), dim=1, stable=True)
-    prompt = ids.gather(1, order)
-    draft = setup.model.truncated(DRAFT_LAYERS)
-    result = {}
-    with torch.inference_mode():
-        for name, model, T in (("target_step", setup.model, 1), ("target_verify", setup.model, k + 1),
-                               ("draft_step", draft, 1)):
-            cache = model.new_cache(batch_size, ids.shape[1] + k + 2)
-            model(prompt, cache, lengths, last_only=True)
-            start = cache.lengths.clone()
-            x = torch.zeros(batch_size, T, dtype=torch.int64)
-            times = []
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                model(x, cache)
-                times.append(time.perf_counter() - t0)
-                cache.crop(start)
-            result[name] = statistics.median(times[1:])
-    return result
-
-
 def predicted_speedup(a: float, k: int, c: float, v: float) -> float:
     """Expected speedup of speculative decoding (Leviathan et al. 2022, eq. for walltime)."""
     if a >= 1.0:
@@ -130,44 +105,50 @@ def predicted_speedup(a: float, k: int, c: float, v: float) -> float:
     return (1 - a ** (k + 1)) / ((1 - a) * (k * c + v))
 
 
-def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4) -> str:
-    """Run every comparison once and return a markdown table plus the machine line."""
+def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3) -> str:
+    """Run every comparison ``repeats`` times (interleaved, so load changes hit every method alike)
+    and return a markdown table of medians plus the machine line."""
     from benchmarks.timing import machine_line
 
     torch.manual_seed(0)
     setup = load_setup()
     rows = []
     for B in batch_sizes:
-        timed = {}
-        for name, fn, draft in (("ours generate", run_ours, None), ("HF generate", run_hf, None),
-                                ("ours spec, prompt lookup", run_ours, "prompt_lookup"),
-                                ("HF assisted, prompt lookup", run_hf, "prompt_lookup"),
-                                (f"ours spec, {DRAFT_LAYERS}-layer draft", run_ours, "layers"),
-                                (f"HF assisted, {DRAFT_LAYERS}-layer draft", run_hf, "layers")):
+        methods = (("ours generate", run_ours, None), ("HF generate", run_hf, None),
+                   ("ours spec, prompt lookup", run_ours, "prompt_lookup"),
+                   ("HF assisted, prompt lookup", run_hf, "prompt_lookup"),
+                   (f"ours spec, {DRAFT_LAYERS}-layer draft", run_ours, "layers"),
+                   (f"HF assisted, {DRAFT_LAYERS}-layer draft", run_hf, "layers"))
+        runs = {name: [] for name, _, _ in methods}
+        for name, fn, draft in methods:
             fn(setup, B, 4, draft, k)  # warm-up
-            t0 = time.perf_counter()
-            out = fn(setup, B, max_new_tokens, draft, k)
-            seconds = time.perf_counter() - t0
-            tokens = out if isinstance(out, int) else int(out.stats.num_generated.sum())
-            timed[name] = (tokens / seconds, out)
-        steps = step_times(setup, B, k)
-        c_layers = steps["draft_step"] / steps["target_step"]
-        v = steps["target_verify"] / steps["target_step"]
-        base = timed["ours generate"][0]
-        hf_base = timed["HF generate"][0]
+        for _ in range(repeats):
+            for name, fn, draft in methods:
+                t0 = time.perf_counter()
+                out = fn(setup, B, max_new_tokens, draft, k)
+                seconds = time.perf_counter() - t0
+                tokens = out if isinstance(out, int) else int(out.stats.num_generated.sum())
+                runs[name].append((tokens / seconds, out))
+        timed = {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}  # median run
+        plain = timed["ours generate"][1]
+        target_step = plain.stats.time_target_s / plain.stats.target_forwards
+        base, hf_base = timed["ours generate"][0], timed["HF generate"][0]
         for name, (tps, out) in timed.items():
-            accept = eff = ""
+            accept = eff = quantities = ""
             if not isinstance(out, int) and out.stats.num_proposed.sum() > 0:
-                a = out.stats.acceptance_rate
-                c = 0.0 if "lookup" in name else c_layers
+                st = out.stats
+                a = st.acceptance_rate
+                v = st.time_target_s / st.target_forwards / target_step
+                c = st.time_draft_s / (int(st.num_steps.max()) * k) / target_step
                 eff = f"{(tps / base) / predicted_speedup(a, k, c, v):.2f}"
                 accept = f"{a:.1%}"
-            rows.append(f"| {B} | {name} | {tps:.1f} | {tps / base:.2f}x | {tps / hf_base:.2f}x | {accept} | {eff} |")
-        rows.append(f"| {B} | (measured: c = {c_layers:.3f}, v = {v:.3f}, target step "
-                    f"{steps['target_step'] * 1e3:.0f} ms, K = {k}) | | | | | |")
-    header = ("| batch | method | tokens/s | vs ours generate | vs HF generate | acceptance | efficiency |\n"
-              "|---|---|---|---|---|---|---|")
-    return (f"SmolLM2-135M-Instruct fp32, greedy, {max_new_tokens} new tokens per row, K = {k}\n"
+                quantities = f"c={c:.3f}, v={v:.2f}"
+            rows.append(f"| {B} | {name} | {tps:.1f} | {tps / base:.2f}x | {tps / hf_base:.2f}x | {accept} | "
+                        f"{quantities} | {eff} |")
+    header = ("| batch | method | tokens/s | vs ours generate | vs HF generate | acceptance | measured c, v | "
+              "efficiency |\n|---|---|---|---|---|---|---|---|")
+    return (f"SmolLM2-135M-Instruct fp32, greedy, {max_new_tokens} new tokens per row, K = {k}, "
+            f"median of {repeats} interleaved runs\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
 
@@ -177,5 +158,6 @@ if __name__ == "__main__":
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k))
+    print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats))

@@ -319,9 +319,13 @@ def _new_stats(batch_size: int, device) -> GenerationStats:
     return GenerationStats(zeros(), zeros(), zeros(), zeros())
 
 
-def _rows_still_running(done: torch.Tensor) -> list[int]:
-    """The loop's one host synchronization per step: which batch positions are still running."""
-    return [i for i, d in enumerate(done.tolist()) if not d]
+def _rows_still_running(done: torch.Tensor, num_drafts: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """The loop's one host synchronization per step: which batch positions are still running,
+    and (read in the same transfer) the most drafts any row proposes next (0 without drafts)."""
+    flags = done.long() if num_drafts is None else torch.cat([done.long(), num_drafts.amax(0, keepdim=True)])
+    values = flags.tolist()
+    widest = values.pop() if num_drafts is not None else 0
+    return [i for i, d in enumerate(values) if not d], widest
 
 
 # --------------------------------------------------------------------------- plain generation
@@ -362,7 +366,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         with timer("sampler"):
             token = request.sample(logits)
         _, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
-        running = _rows_still_running(done)
+        running, _ = _rows_still_running(done)
         if not running:
             break
         if len(running) < len(rows):
@@ -420,7 +424,6 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
     rows = torch.arange(B, device=device)
-    steps = torch.arange(K + 1, device=device)
 
     target_cache = target.new_cache(B, request.max_len)
     with timer("target"):
@@ -441,14 +444,19 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     with timer("sampler"):
         last = request.sample(logits)
     _, done = outputs.write(rows, last[:, None], torch.ones_like(last), request.eos)
+    num_drafts = None
     if lookup:
         context.scatter_(1, context_lengths[:, None], last[:, None])
         context_lengths += 1
+        with timer("draft"):
+            draft_ids, num_drafts = draft.propose(context, context_lengths, K)
     else:
         pending[:, 0] = last
 
     while True:
-        running = _rows_still_running(done)
+        # Prompt lookup proposes before the check, so that the verify width (1 + the most
+        # drafts any row has) is known on the host without a second synchronization.
+        running, widest = _rows_still_running(done, num_drafts)
         if not running:
             break
         if len(running) < len(rows):
@@ -456,15 +464,15 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             rows, last, target_cache = rows[keep], last[keep], target_cache.select(keep)
             if lookup:
                 context, context_lengths = context[keep], context_lengths[keep]
+                draft_ids, num_drafts = draft_ids[keep], num_drafts[keep]
             else:
                 draft_cache, pending, pending_lengths = draft_cache.select(keep), pending[keep], pending_lengths[keep]
         b = len(rows)
 
-        # 1. Draft K tokens.
+        # 1. Draft K tokens (prompt lookup: already proposed, trimmed to the widest row).
         with timer("draft"):
             if lookup:
-                draft_ids, num_drafts = draft.propose(context, context_lengths, K)
-                draft_logits = None
+                draft_ids, draft_logits = draft_ids[:, :widest], None
             else:
                 draft_start = draft_cache.lengths.clone()
                 step_logits = _last_logits(draft, pending, draft_cache, pending_lengths)
@@ -495,6 +503,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         target_cache.crop(target_start + accepted + 1)
         if lookup:
             _, done = outputs.write(rows, emitted, accepted + 1, request.eos)
+            steps = torch.arange(emitted.shape[1], device=device)
             columns = torch.where(steps < accepted[:, None] + 1, context_lengths[:, None] + steps, context.shape[1] - 1)
             context.scatter_(1, columns, emitted.clamp(min=0))
             context_lengths += accepted + 1
@@ -508,6 +517,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         stats.num_steps[rows] += 1
         stats.num_proposed[rows] += num_drafts
         stats.num_accepted[rows] += accepted
+        if lookup:
+            with timer("draft"):
+                draft_ids, num_drafts = draft.propose(context, context_lengths, K)
     stats.num_steps = stats.num_steps.cpu()
     stats.num_proposed, stats.num_accepted = stats.num_proposed.cpu(), stats.num_accepted.cpu()
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
