@@ -64,3 +64,23 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"backend='triton' supports CUDA (or CPU under the interpreter), got {device}")
     return backend
+
+
+class DeviceCheckError(ValueError, RuntimeError):
+    """A value check made on the device (``torch._assert_async``) failed on a CPU tensor.
+
+    Subclasses both ``ValueError`` (bad input) and ``RuntimeError`` (what
+    ``torch._assert_async`` raises on CPU), so callers may catch either.
+    """
+
+
+def device_check(condition: torch.Tensor, message: str) -> None:
+    """Assert the 0-d bool tensor ``condition`` without a host synchronization.
+
+    On CPU a false ``condition`` raises `DeviceCheckError` carrying ``message`` immediately; on
+    CUDA it is a device-side assert (the error surfaces at the next synchronization).
+    """
+    try:
+        torch._assert_async(condition, message)
+    except RuntimeError as e:
+        raise DeviceCheckError(message) from e

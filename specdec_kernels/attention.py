@@ -30,29 +30,9 @@ import math
 
 import torch
 
-from ._backend import resolve_backend
+from ._backend import DeviceCheckError, device_check, resolve_backend
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class DeviceCheckError(ValueError, RuntimeError):
-    """A value check made on the device (``torch._assert_async``) failed on a CPU tensor.
-
-    Subclasses both ``ValueError`` (bad input) and ``RuntimeError`` (what
-    ``torch._assert_async`` raises on CPU), so callers may catch either.
-    """
-
-
-def device_check(condition: torch.Tensor, message: str) -> None:
-    """Assert the 0-d bool tensor ``condition`` without a host synchronization.
-
-    On CPU a false ``condition`` raises `DeviceCheckError` carrying ``message`` immediately; on
-    CUDA it is a device-side assert (the error surfaces at the next synchronization).
-    """
-    try:
-        torch._assert_async(condition, message)
-    except RuntimeError as e:
-        raise DeviceCheckError(message) from e
 
 
 def _check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:

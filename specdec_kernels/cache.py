@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import resolve_backend
-from .attention import device_check
+from ._backend import device_check, resolve_backend
 
 
 def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._backend import resolve_backend
+from ._backend import device_check, resolve_backend
 
 __all__ = [
     "RejectionNoise",
@@ -477,6 +477,9 @@ def sample_logits(
         ``[B]`` int64 token ids in ``[0, V)``.
     """
     _check_tensor("logits", logits, 2)
+    if not isinstance(temperature, torch.Tensor) and temperature == 0:
+        _check_sampling_params(temperature, top_k, top_p, logits.shape[0], logits.device)
+        return logits.argmax(-1)  # greedy: filters keep the argmax, no randomness to draw
     probs = process_logits(logits, temperature, top_k, top_p)
     E = _exponential(tuple(probs.shape), generator, probs.device)
     scores = torch.where(probs > 0, probs / E, torch.full_like(probs, -1.0))
@@ -824,6 +827,8 @@ def first_rejection_index(
             raise ValueError(
                 f"num_draft_tokens is on {num_draft_tokens.device} but accepted is on {accepted.device}"
             )
+        device_check(((num_draft_tokens >= 0) & (num_draft_tokens <= K)).all(),
+                     f"num_draft_tokens must lie in [0, K={K}] for every row")
     if backend == "reference":
         from .reference.sampling import first_rejection_index as reference
 
@@ -831,7 +836,7 @@ def first_rejection_index(
     n = (
         torch.full((B,), K, dtype=torch.int64, device=accepted.device)
         if num_draft_tokens is None
-        else num_draft_tokens.to(torch.int64).clamp(0, K)
+        else num_draft_tokens.to(torch.int64)
     )
     if backend == "triton":
         from .kernels.sampling import first_rejection_index_triton

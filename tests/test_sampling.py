@@ -219,6 +219,9 @@ def test_first_rejection_index(backend_):
     assert torch.equal(
         first_rejection_index(big, nb, backend=backend_), first_rejection_index(big, nb, backend="reference")
     )
+    for bad in ([-2, 1, 1, 1, 1], [4, 5, 1, 1, 1]):  # outside [0, K]: an error, never a clamp
+        with pytest.raises(ValueError, match="num_draft_tokens"):
+            first_rejection_index(accepted, torch.tensor(bad), backend=backend_)
 
 
 # --------------------------------------------------------------------------- logits helpers
