@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import rejection_sample_logits, sample_logits
-
+from .sampling import _check_sampling_params, rejection_sample_logits, sample_logits
 
 # --------------------------------------------------------------------------- results
 
@@ -36,8 +35,10 @@ class GenerationStats:
         num_steps: decoding steps per row (target forwards after the prefill).
         num_proposed: draft tokens proposed per row (speculative only).
         num_accepted: draft tokens accepted per row (speculative only).
-        target_forwards, draft_forwards: batched forward calls, prefill included.
-        time_target_s, time_draft_s, time_sampler_s, time_total_s: wall time per phase.
+        target_forwards, draft_forwards: batched forward calls, the prefill included.
+        time_prefill_s: prompt prefill of target and draft.
+        time_target_s, time_draft_s, time_sampler_s: decoding steps' target forwards, drafting
+            (draft forwards or n-gram proposals), sampling; time_total_s: the whole call.
     """
 
     num_generated: torch.Tensor
@@ -46,6 +47,7 @@ class GenerationStats:
     num_accepted: torch.Tensor
     target_forwards: int = 0
     draft_forwards: int = 0
+    time_prefill_s: float = 0.0
     time_target_s: float = 0.0
     time_draft_s: float = 0.0
     time_sampler_s: float = 0.0
@@ -75,7 +77,8 @@ class GenerationOutput:
 
     Attributes:
         tokens: [B, max_new_tokens] int64, each row's generated tokens then ``pad_token_id``.
-        sequences: [B, P + max_new_tokens] int64, ``input_ids`` followed by ``tokens``.
+        sequences: [B, P + max_new_tokens] int64, ``input_ids`` as given followed by ``tokens``
+            (with right-padded input the padding stays between prompt and generated tokens).
         stats: `GenerationStats`.
     """
 
@@ -181,8 +184,8 @@ def _supports_last_only_type(forward) -> bool:
 
 def _supports_last_only(model) -> bool:
     """Whether ``model`` can return only each row's last logits (saves the full [B, T, V] head)."""
-    forward = getattr(type(model), "forward", None) or getattr(type(model), "__call__", None)
-    return _supports_last_only_type(forward)
+    forward = getattr(type(model), "forward", None)
+    return forward is not None and _supports_last_only_type(forward)
 
 
 def _last_logits(model, input_ids, cache, q_seqlens=None) -> torch.Tensor:
@@ -230,17 +233,16 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
         raise ValueError(f"input_ids must hold at least one non-empty prompt, got shape {tuple(input_ids.shape)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a float >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+    _check_sampling_params(temperature, top_k, top_p, B, input_ids.device)
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")
+    if ((attention_mask != 0) & (attention_mask != 1)).any():
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
     mask = attention_mask.to(device=input_ids.device) != 0
     lengths = mask.sum(1)
     if (lengths == 0).any():
@@ -257,14 +259,16 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
         max_cache_len = needed
     elif max_cache_len < needed:
         raise ValueError(f"max_cache_len={max_cache_len} is too small: the longest prompt "
-                         f"({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) needs {needed}")
+                         f"({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) + "
+                         f"{lookahead} verification slots needs {needed}")
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if limit is not None and int(lengths.max()) + max_new_tokens > limit:
         raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's max_position_embeddings ({limit})")
-    eos = torch.tensor([] if eos_token_id is None else
-                       [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-                       dtype=torch.int64, device=input_ids.device)
+    eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos_ids):
+        raise ValueError(f"eos_token_id must be None, an int or ints in [0, {vocab}), got {eos_token_id!r}")
+    eos = torch.tensor(eos_ids, dtype=torch.int64, device=input_ids.device)
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real tokens first
     prompt = torch.where(torch.arange(P, device=input_ids.device) < lengths[:, None],
                          input_ids.gather(1, order), 0).long()
@@ -307,9 +311,10 @@ def _finish(request: _Request, input_ids, outputs: _Outputs, stats: GenerationSt
     tokens = outputs.tokens[:, : request.max_new_tokens]
     pad = pad_token_id if pad_token_id is not None else (int(request.eos[0]) if len(request.eos) else 0)
     tokens = torch.where(tokens < 0, pad, tokens)
-    stats.time_target_s, stats.time_draft_s, stats.time_sampler_s = (
-        timer.seconds("target"), timer.seconds("draft"), timer.seconds("sampler"))
-    stats.num_generated = outputs.counts.cpu()
+    stats.time_prefill_s, stats.time_target_s, stats.time_draft_s, stats.time_sampler_s = (
+        timer.seconds("prefill"), timer.seconds("target"), timer.seconds("draft"), timer.seconds("sampler"))
+    stats.num_generated, stats.num_steps = outputs.counts.cpu(), stats.num_steps.cpu()
+    stats.num_proposed, stats.num_accepted = stats.num_proposed.cpu(), stats.num_accepted.cpu()
     stats.time_total_s = time.perf_counter() - t_start
     return GenerationOutput(tokens, torch.cat([input_ids.long(), tokens], 1), stats)
 
@@ -322,7 +327,8 @@ def _new_stats(batch_size: int, device) -> GenerationStats:
 def _rows_still_running(done: torch.Tensor, num_drafts: torch.Tensor | None = None) -> tuple[list[int], int]:
     """The loop's one host synchronization per step: which batch positions are still running,
     and (read in the same transfer) the most drafts any row proposes next (0 without drafts)."""
-    flags = done.long() if num_drafts is None else torch.cat([done.long(), num_drafts.amax(0, keepdim=True)])
+    flags = done.long() if num_drafts is None else torch.cat(
+        [done.long(), num_drafts.masked_fill(done, 0).amax(0, keepdim=True)])
     values = flags.tolist()
     widest = values.pop() if num_drafts is not None else 0
     return [i for i, d in enumerate(values) if not d], widest
@@ -359,7 +365,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
     rows = torch.arange(B, device=device)  # input row of each batch position
     cache = model.new_cache(B, request.max_len)
-    with timer("target"):
+    with timer("prefill"):
         logits = _last_logits(model, request.prompt, cache, request.prompt_lengths)
     stats.target_forwards += 1
     while True:
@@ -376,8 +382,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         with timer("target"):
             logits = _last_logits(model, token[:, None], cache)
         stats.target_forwards += 1
-    stats.num_steps = stats.num_steps.cpu()
-    stats.num_proposed, stats.num_accepted = stats.num_proposed.cpu(), stats.num_accepted.cpu()
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
 
@@ -409,7 +413,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     """
     if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
-    if draft == "prompt_lookup":
+    _check_model(target, "target")
+    if isinstance(draft, str) and draft == "prompt_lookup":
         draft = PromptLookupDraft()
     lookup = isinstance(draft, PromptLookupDraft)
     if not lookup:
@@ -426,7 +431,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     rows = torch.arange(B, device=device)
 
     target_cache = target.new_cache(B, request.max_len)
-    with timer("target"):
+    with timer("prefill"):
         logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths)
     stats.target_forwards += 1
     if lookup:  # token history: prompt, then everything emitted
@@ -435,9 +440,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         context_lengths = request.prompt_lengths.clone()
     else:
         draft_cache = draft.new_cache(B, request.max_len)
-        with timer("draft"):
-            _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths)
+        with timer("prefill"):
+            draft_prefill = _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths)
         stats.draft_forwards += 1
+        if (draft_prefill.dtype, draft_prefill.device) != (logits.dtype, logits.device):
+            raise ValueError(f"draft must produce logits like the target's ({logits.dtype} on {logits.device}), "
+                             f"got {draft_prefill.dtype} on {draft_prefill.device}")
         # Tokens the draft has not seen yet: [second to last (if the draft skipped it), last].
         pending = torch.zeros(B, 2, dtype=torch.int64, device=device)
         pending_lengths = torch.ones(B, dtype=torch.int64, device=device)
@@ -520,6 +528,4 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         if lookup:
             with timer("draft"):
                 draft_ids, num_drafts = draft.propose(context, context_lengths, K)
-    stats.num_steps = stats.num_steps.cpu()
-    stats.num_proposed, stats.num_accepted = stats.num_proposed.cpu(), stats.num_accepted.cpu()
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)

@@ -6,6 +6,7 @@ from scipy import stats as scipy_stats
 
 from specdec_kernels import PromptLookupDraft, generate, process_logits, speculative_generate
 from specdec_kernels.testing import SyncCounter
+
 from tiny_models import tiny_llama
 
 V = 97
@@ -93,14 +94,16 @@ def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     return float(scipy_stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
-# A correct sampler fails one of these checks with probability 1e-5 each; the file runs fewer
-# than 10 of them, so a correct implementation fails this file less than once in 10^4 runs.
+# A correct sampler fails one of these checks with probability 1e-5; each test makes 6 of them,
+# so a correct implementation fails a test less than once in 10^4 runs (6e-5).
 P_THRESHOLD = 1e-5
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=8, top_p=0.9)],
-                         ids=["t1", "t0.7-topk8-topp0.9"])
-def test_sampling_matches_the_target_distribution(sampling):
+@pytest.mark.parametrize("sampling, k", [(dict(temperature=1.0), 1), (dict(temperature=0.7, top_k=8, top_p=0.9), 2)],
+                         ids=["t1-K1", "t0.7-topk8-topp0.9-K2"])
+def test_sampling_matches_the_target_distribution(sampling, k):
+    # K=1: t3 often comes from a second step whose draft input is two tokens (all accepted
+    # before); K=2: accepted prefixes, corrections and bonus tokens within one step.
     small = dict(vocab_size=12, layers=2, hidden=32, heads=4, kv_heads=1)
     target = tiny_llama(seed=1, scale=4.0, **small)
     draft = target.truncated(1)  # agrees with the target sometimes, disagrees often
@@ -110,8 +113,10 @@ def test_sampling_matches_the_target_distribution(sampling):
     ids = prompt.expand(N, -1).contiguous()
     for name, out in {
         "generate": generate(target, ids, max_new_tokens=3, seed=11, **sampling),
-        "speculative": speculative_generate(target, draft, ids, num_draft_tokens=2, max_new_tokens=3,
+        "speculative": speculative_generate(target, draft, ids, num_draft_tokens=k, max_new_tokens=3,
                                             seed=12, **sampling),
+        "prompt-lookup": speculative_generate(target, PromptLookupDraft(), ids, num_draft_tokens=k,
+                                              max_new_tokens=3, seed=13, **sampling),
     }.items():
         t = out.tokens
         observed = torch.bincount(t[:, 0] * 12 + t[:, 1], minlength=144).reshape(12, 12)
@@ -222,5 +227,21 @@ def test_bad_input_is_a_clear_error(target):
         generate(target, ids + 100, max_new_tokens=4)
     with pytest.raises(ValueError, match="temperature"):
         generate(target, ids, max_new_tokens=4, temperature=-1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(target, ids, max_new_tokens=4, temperature=float("nan"))
+    with pytest.raises(TypeError, match="temperature"):
+        generate(target, ids, max_new_tokens=4, temperature=True)
+    with pytest.raises(TypeError, match="top_p"):
+        generate(target, ids, max_new_tokens=4, top_p="0.5")
+    with pytest.raises(TypeError, match="seed"):
+        generate(target, ids, max_new_tokens=4, seed=1.5)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        generate(target, ids, max_new_tokens=4, eos_token_id=V)
+    with pytest.raises(ValueError, match="attention_mask"):
+        generate(target, ids, torch.full((2, 5), 0.5), max_new_tokens=4)
+    with pytest.raises(ValueError, match="draft must produce logits"):
+        speculative_generate(target, tiny_llama().to(torch.bfloat16), ids, max_new_tokens=4)
+    with pytest.raises(TypeError, match="target"):
+        speculative_generate(object(), draft, ids, max_new_tokens=4)
     with pytest.raises(TypeError, match="protocol"):
         speculative_generate(target, object(), ids, max_new_tokens=4)

@@ -6,6 +6,7 @@ import torch
 from specdec_kernels import KVCache
 from specdec_kernels.model import Llama, LlamaConfig
 from specdec_kernels.testing import assert_close
+
 from tiny_models import tiny_config, tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -107,3 +108,19 @@ def test_bad_config_and_inputs():
         model(torch.zeros(2, 3, dtype=torch.int64), model.new_cache(1, 8))
     with pytest.raises(ValueError, match="config.json"):
         Llama.from_pretrained("/nonexistent")
+
+
+def test_rope_stays_float32_in_half_precision_models():
+    model = tiny_llama(seed=5)
+    positions = torch.tensor([[0, 7, 2000]])
+    cos32, sin32 = model.rope_angles(positions)
+    half = tiny_llama(seed=5).to(torch.bfloat16)
+    draft = half.truncated(1)
+    for m in (half, draft):
+        cos, sin = m.rope_angles(positions)
+        assert cos.dtype == torch.float32
+        torch.testing.assert_close(cos, cos32)
+        torch.testing.assert_close(sin, sin32)
+    with torch.no_grad():
+        logits = half(torch.tensor([[1, 2, 3]]), half.new_cache(1, 4))
+    assert logits.dtype == torch.bfloat16 and logits.isfinite().all()
