@@ -28,7 +28,7 @@ setup(
         "triton>=3.0; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6", "scipy>=1.10"],
+        "test": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6", "scipy>=1.10", "ruff>=0.5"],
         "hf": ["transformers>=4.45", "gguf>=0.10", "accelerate>=0.30", "safetensors>=0.4"],
     },
     entry_points={"console_scripts": ["specdec-kernels=specdec_kernels.__main__:main"]},

@@ -5,6 +5,8 @@ Run with ``python -m pytest benchmarks/`` (the default test run only collects
 versions, GPU) in ``machine_info["specdec"]`` of ``--benchmark-json`` output.
 """
 
+import os
+
 import pytest
 
 from benchmarks.timing import machine_line, machine_summary
@@ -23,3 +25,15 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+@pytest.fixture
+def pinned_torch_threads():
+    """Run with ``SPECDEC_BENCH_THREADS`` torch threads (default 1): on a shared 2-core machine,
+    OpenMP regions with 2 threads wait for descheduled workers and time the scheduler, not the op."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("SPECDEC_BENCH_THREADS", "1")))
+    yield
+    torch.set_num_threads(saved)

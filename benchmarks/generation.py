@@ -9,8 +9,8 @@ Compared side by side in one run, greedy, same weights, same prompts:
   ``assistant_model=``), which supports one row at a time, so batch 8 loops over rows;
 - efficiency: measured speedup / predicted speedup, predicted = (1 - a^(K+1)) / ((1 - a)(K c + v))
   with a = acceptance rate, c = draft time per drafted token / target step, v = target verify of
-  K+1 tokens / target step, all from the phase timers of the same runs (target step = our plain
-  run's target time per forward; verify = the speculative run's target time per forward). What
+  K+1 tokens / target step, all from the phase timers of the same runs, prefill excluded (target
+  step = our plain run's target time per decoding step; verify = the speculative run's). What
   efficiency misses from 1 is time outside the model forwards: sampler, drafting bookkeeping, loop.
 """
 
@@ -120,7 +120,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
                    (f"ours spec, {DRAFT_LAYERS}-layer draft", run_ours, "layers"),
                    (f"HF assisted, {DRAFT_LAYERS}-layer draft", run_hf, "layers"))
         runs = {name: [] for name, _, _ in methods}
-        for name, fn, draft in methods:
+        for _, fn, draft in methods:
             fn(setup, B, 4, draft, k)  # warm-up
         for _ in range(repeats):
             for name, fn, draft in methods:
@@ -131,14 +131,14 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
                 runs[name].append((tokens / seconds, out))
         timed = {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}  # median run
         plain = timed["ours generate"][1]
-        target_step = plain.stats.time_target_s / plain.stats.target_forwards
+        target_step = plain.stats.time_target_s / (plain.stats.target_forwards - 1)  # prefill excluded
         base, hf_base = timed["ours generate"][0], timed["HF generate"][0]
         for name, (tps, out) in timed.items():
             accept = eff = quantities = ""
             if not isinstance(out, int) and out.stats.num_proposed.sum() > 0:
                 st = out.stats
                 a = st.acceptance_rate
-                v = st.time_target_s / st.target_forwards / target_step
+                v = st.time_target_s / (st.target_forwards - 1) / target_step
                 c = st.time_draft_s / (int(st.num_steps.max()) * k) / target_step
                 eff = f"{(tps / base) / predicted_speedup(a, k, c, v):.2f}"
                 accept = f"{a:.1%}"

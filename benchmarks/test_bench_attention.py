@@ -19,8 +19,6 @@ scheduler rather than the op, and punishes whichever side launches more parallel
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,15 +27,7 @@ from benchmarks.timing import bench
 from specdec_kernels import ragged_attention
 
 HQ, HKV, D = 9, 3, 64
-THREADS = int(os.environ.get("SPECDEC_BENCH_THREADS", "1"))
-
-
-@pytest.fixture(autouse=True)
-def _torch_threads():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
 SHAPES = [pytest.param(B, T, L, id=f"B{B}-T{T}-L{L}") for L in (512, 4096) for B in (1, 8) for T in (1, 5)]
 
 

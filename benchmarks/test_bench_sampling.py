@@ -12,8 +12,6 @@ descheduled workers and the timings measure the scheduler.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -22,15 +20,7 @@ from specdec_kernels import rejection_sample
 
 V = 49152
 K = 4
-THREADS = int(os.environ.get("SPECDEC_BENCH_THREADS", "1"))
-
-
-@pytest.fixture(autouse=True)
-def _torch_threads():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
 
 
 def hf_speculative_sampling(candidate_input_ids: torch.Tensor, q: torch.Tensor, p: torch.Tensor):
@@ -94,7 +84,7 @@ CPU_ROWS = [
 def test_rejection_sample_cpu(benchmark, B, impl):
     p, q, ids = make_inputs(B)
     benchmark.group = f"rejection_sample CPU B={B} K={K} V={V} fp32"
-    benchmark.extra_info.update(B=B, K=K, V=V, impl=impl, threads=THREADS)
+    benchmark.extra_info.update(B=B, K=K, V=V, impl=impl, threads=torch.get_num_threads())
     if impl == "hf_per_row":
         fn = lambda: hf_per_row(p, q, ids)
     else:

@@ -116,7 +116,7 @@ def run_demo(args: argparse.Namespace) -> int:
         proposed += int(spec.stats.num_proposed.sum())
         outputs += [tokenizer.decode(spec.row_tokens(i), skip_special_tokens=True) for i in range(len(batch))]
 
-    for prompt, text in zip(prompts, outputs):
+    for prompt, text in zip(prompts, outputs, strict=True):
         print(f"\n>>> {prompt}\n{text.strip()}")
     plain_tps, spec_tps = (totals[k][0] / totals[k][1] for k in ("plain", "speculative"))
     print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, batch size {args.batch_size}, "

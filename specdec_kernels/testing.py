@@ -320,7 +320,7 @@ def _cubin_resources(cubin: bytes) -> dict[str, int]:
     usage = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:\d+\s+LOCAL:(\d+)", out)
     if usage is None:
         raise RuntimeError(f"cannot read resource usage from cuobjdump output:\n{out}")
-    return dict(zip(("registers", "stack_bytes", "local_bytes"), map(int, usage.groups())))
+    return dict(zip(("registers", "stack_bytes", "local_bytes"), map(int, usage.groups()), strict=True))
 
 
 def compile_check(specs: Sequence | None = None, targets: Sequence = COMPILE_TARGETS) -> list[CompileReport]:

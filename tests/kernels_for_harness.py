@@ -2,7 +2,6 @@
 
 import triton
 import triton.language as tl
-
 from specdec_kernels.kernels.registry import KernelSpec, register
 
 

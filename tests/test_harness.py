@@ -65,7 +65,8 @@ def test_compile_check_passes_a_good_kernel(harness_compile_reports, arch):
 def test_compile_check_uses_alignment_hints(harness_compile_reports):
     # Aligned pointers allow vector loads: fewer registers than the scalar-access version.
     for arch in ("sm_80", "sm_90"):
-        aligned, plain = harness_compile_reports["harness_copy_aligned", arch], harness_compile_reports["harness_copy", arch]
+        aligned = harness_compile_reports["harness_copy_aligned", arch]
+        plain = harness_compile_reports["harness_copy", arch]
         assert aligned.ok and aligned.registers <= plain.registers
 
 
