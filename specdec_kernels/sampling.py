@@ -756,6 +756,11 @@ def rejection_sample_logits(
             ((temperature < 0) | ~torch.isfinite(temperature)).any()
         ):
             raise ValueError("temperature must be finite and >= 0")
+    if backend == "reference":
+        from .reference.sampling import rejection_sample_logits as reference
+
+        return reference(target_logits, draft_logits, draft_token_ids, num_draft_tokens, temperature=temperature,
+                         top_k=top_k, top_p=top_p, greedy=greedy, generator=generator, seed=seed, noise=noise)
     if backend == "triton":
         from .kernels.sampling import rejection_sample_logits_triton
 

@@ -509,3 +509,15 @@ def test_triton_logits_bytes_within_115_percent_of_minimum():
         minimum += scanned * (2 * row + 8 + 2 * 4)  # normalizer passes of target and draft rows, gathers
         minimum += 2 * row if j < nb else row  # residual row (target and draft) or the bonus row
     assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
+                                    dict(temperature=0.9, top_p=0.6), dict(temperature=0.8, top_k=9, top_p=0.75),
+                                    dict(temperature=torch.tensor([0.0, 1.0, 0.5]), top_k=4)],
+                         ids=["T", "T-topk", "T-topp", "T-topk-topp", "per-row-T-with-greedy"])
+def test_process_logits_matches_the_reference_definition(params):
+    from specdec_kernels.reference.sampling import process_logits as reference
+
+    logits = torch.randn(3, 4, 57, generator=torch.Generator().manual_seed(3)) * 3
+    logits[0, 0, :6] = 1.5  # ties at the top-k / top-p boundary
+    torch.testing.assert_close(process_logits(logits, **params), reference(logits, **params))

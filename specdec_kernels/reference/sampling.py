@@ -14,8 +14,34 @@ from ..sampling import (
     RejectionNoise,
     RejectionOutput,
     make_rejection_noise,
-    process_logits,
 )
+
+
+def process_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
+                   top_p: float | None = None) -> torch.Tensor:
+    """Reference of `specdec_kernels.process_logits`, written from the definitions rather than
+    with thresholds: an entry survives top-k when fewer than k entries are strictly larger, and
+    survives top-p when the (top-k renormalized) mass of the strictly larger entries is below
+    top_p. Temperature-0 rows are one-hot at the first maximum. O(V^2) per row: small V only."""
+    B, V = logits.shape[0], logits.shape[-1]
+    temperature = (temperature.tolist() if isinstance(temperature, torch.Tensor) else [temperature] * B)
+    out = torch.zeros(logits.shape, dtype=torch.float32)
+    for b in range(B):
+        rows = logits[b].float().cpu().reshape(-1, V)
+        for r, row in enumerate(rows):
+            if temperature[b] == 0:
+                out[b].view(-1, V)[r, int(row.argmax())] = 1.0
+                continue
+            x = row / temperature[b]
+            larger = x[None, :] > x[:, None]  # larger[i, j]: entry j is strictly larger than entry i
+            keep = torch.ones(V, dtype=torch.bool)
+            if top_k is not None:
+                keep &= larger.sum(1) < top_k
+            if top_p is not None:
+                p = torch.softmax(x.masked_fill(~keep, float("-inf")), 0)
+                keep &= (larger.float() * p[None, :]).sum(1) < top_p
+            out[b].view(-1, V)[r] = torch.softmax(x.masked_fill(~keep, float("-inf")), 0)
+    return out.to(logits.device)
 
 
 def _sample_race(w: torch.Tensor, exponential: torch.Tensor) -> int:
