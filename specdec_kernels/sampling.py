@@ -210,11 +210,16 @@ def _validate_common(
     seed: int | torch.Tensor | None,
     noise: RejectionNoise | None,
     names: tuple[str, str],
-    validate: bool,
-) -> tuple[int, int, int]:
-    """Shape, dtype and device checks shared by both samplers; value checks when ``validate``."""
+    validate: bool | None,
+    backend: str,
+) -> tuple[str, bool, int, int, int]:
+    """Checks shared by both samplers: shapes, dtypes and devices always, values when ``validate``
+    (None: True for CPU tensors). Returns ``(backend resolved, validate, B, K, V)``."""
     tname, dname = names
     _check_tensor(tname, target, 3)
+    backend = resolve_backend(backend, target.device)
+    if validate is None:
+        validate = target.device.type == "cpu"
     B, K1, V = target.shape
     if K1 < 1:
         raise ValueError(f"{tname} must have K+1 >= 1 positions, got shape {tuple(target.shape)}")
@@ -304,7 +309,7 @@ def _validate_common(
             raise ValueError(f"num_draft_tokens must lie in [0, K] = [0, {K}]")
         if bool(((draft_token_ids < 0) | (draft_token_ids >= V)).any()):
             raise ValueError(f"draft_token_ids must lie in [0, V) = [0, {V})")
-    return B, K, V
+    return backend, validate, B, K, V
 
 
 def _sanitize(
@@ -635,22 +640,9 @@ def rejection_sample(
         `RejectionOutput`: ``token_ids`` ``[B, K+1]`` int64 (accepted drafts, then one corrected
         or bonus token, then -1) and ``num_accepted`` ``[B]`` int64.
     """
-    if not isinstance(target_probs, torch.Tensor):
-        raise TypeError(f"target_probs must be a torch.Tensor, got {type(target_probs).__name__}")
-    backend = resolve_backend(backend, target_probs.device)
-    if validate is None:
-        validate = target_probs.device.type == "cpu"
-    B, K, V = _validate_common(
-        target_probs,
-        draft_probs,
-        draft_token_ids,
-        num_draft_tokens,
-        greedy,
-        generator,
-        seed,
-        noise,
-        ("target_probs", "draft_probs"),
-        validate,
+    backend, validate, B, K, V = _validate_common(
+        target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, generator, seed, noise,
+        ("target_probs", "draft_probs"), validate, backend,
     )
     if validate:
         _check_probs_values("target_probs", target_probs)
@@ -730,22 +722,9 @@ def rejection_sample_logits(
     Returns:
         `RejectionOutput` (``token_ids`` ``[B, K+1]`` int64, ``num_accepted`` ``[B]`` int64).
     """
-    if not isinstance(target_logits, torch.Tensor):
-        raise TypeError(f"target_logits must be a torch.Tensor, got {type(target_logits).__name__}")
-    backend = resolve_backend(backend, target_logits.device)
-    if validate is None:
-        validate = target_logits.device.type == "cpu"
-    B, K, V = _validate_common(
-        target_logits,
-        draft_logits,
-        draft_token_ids,
-        num_draft_tokens,
-        greedy,
-        generator,
-        seed,
-        noise,
-        ("target_logits", "draft_logits"),
-        validate,
+    backend, validate, B, K, V = _validate_common(
+        target_logits, draft_logits, draft_token_ids, num_draft_tokens, greedy, generator, seed, noise,
+        ("target_logits", "draft_logits"), validate, backend,
     )
     _check_sampling_params(temperature, top_k, top_p, B, target_logits.device)
     if validate:
