@@ -10,7 +10,7 @@ Every op takes ``backend="auto" | "reference" | "torch" | "triton"``; see
 """
 
 from ._backend import BACKENDS, auto_backend, interpreter_enabled, resolve_backend, triton_available
-from .attention import ragged_attention
+from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import KVCache
 from .generation import GenerationOutput, GenerationStats, PromptLookupDraft, generate, speculative_generate
 from .model import Llama, LlamaConfig
@@ -34,6 +34,7 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "PromptLookupDraft",
+    "RaggedAttentionPlan",
     "KVCache",
     "RejectionNoise",
     "RejectionOutput",

@@ -12,16 +12,18 @@ Backends (see `specdec_kernels._backend`):
 - ``"reference"``: `specdec_kernels.reference.attention`, row by row in fp32;
 - ``"torch"``: vectorized and sync-free (no Python loop over rows, no host read of a length):
   the G query heads of a KV head and the T queries of a row are packed into one matrix, so each
-  KV head's cache is multiplied once; a boolean mask built on device covers causality and the
+  KV head's cache is multiplied once; boolean masks built on device cover causality and the
   ragged lengths, V's entries beyond each length are zeroed bitwise (a NaN there would survive a
   zero weight), padding rows are zeroed at the end. Half-precision inputs are computed in fp32;
 - ``"triton"``: `specdec_kernels.kernels.attention`, split-KV (flash-decoding) with a
   log-sum-exp merge; the split count is chosen per row on the device.
 
-Value checks (``cache_seqlens`` within ``q_seqlens .. Lmax``, ``q_seqlens`` within ``1 .. T``)
-are made without a host synchronization through ``torch._assert_async``: on CPU tensors a bad
-value raises `DeviceCheckError` (a ``ValueError``) at once; on CUDA it is a device-side assert,
-reported at the next synchronization.
+Everything that depends only on the lengths (their value checks, the torch path's masks) lives
+in a `RaggedAttentionPlan`, made once and shared by calls with the same lengths, such as the
+layers of one forward pass. Value checks (``cache_seqlens`` within ``q_seqlens .. Lmax``,
+``q_seqlens`` within ``1 .. T``) are made without a host synchronization through
+``torch._assert_async``: on CPU tensors a bad value raises `DeviceCheckError` (a ``ValueError``)
+at once; on CUDA it is a device-side assert, reported at the next synchronization.
 """
 
 from __future__ import annotations
@@ -46,15 +48,10 @@ def _check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.
         raise ValueError(f"{name} must be on {device} like q, got {t.device}")
 
 
-def check_ragged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None
-                                  ) -> tuple[int, int, int, int, int, int]:
-    """Validate the arguments of `ragged_attention`; return ``(B, T, Hq, D, Lmax, Hkv)``.
-
-    Shapes, dtypes and devices are checked on the host (ValueError naming the argument, with
-    expected and actual values); the values of ``cache_seqlens`` and ``q_seqlens`` are checked
-    on the device with `device_check` (no host synchronization).
-    """
+def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None
+                                   ) -> tuple[int, int, int, int, int, int]:
+    """Host-side checks of `ragged_attention`'s arguments; return ``(B, T, Hq, D, Lmax, Hkv)``."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -84,13 +81,20 @@ def check_ragged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if Lmax < T:
         raise ValueError(f"k_cache must hold at least T={T} positions, got Lmax={Lmax}")
     _check_lengths_tensor("cache_seqlens", cache_seqlens, B, q.device)
+    if q_seqlens is not None:
+        _check_lengths_tensor("q_seqlens", q_seqlens, B, q.device)
+    return B, T, Hq, D, Lmax, Hkv
+
+
+def _check_ragged_attention_lengths(cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None,
+                                    T: int, Lmax: int) -> None:
+    """Device-side (sync-free) check of the length values; see `device_check`."""
     cache_message = (f"cache_seqlens must lie in {'q_seqlens' if q_seqlens is not None else f'T={T}'}"
                      f"..Lmax={Lmax} for every row (it counts the new tokens, already in the cache)")
     q_message = f"q_seqlens must lie in 1..T={T} for every row"
     if q_seqlens is None:
         device_check(((cache_seqlens >= T) & (cache_seqlens <= Lmax)).all(), cache_message)
-        return B, T, Hq, D, Lmax, Hkv
-    _check_lengths_tensor("q_seqlens", q_seqlens, B, q.device)
+        return
     q_ok = (q_seqlens >= 1) & (q_seqlens <= T)
     cache_ok = (cache_seqlens >= q_seqlens) & (cache_seqlens <= Lmax)
     try:  # one check on the hot path; on CPU a failure is then attributed to its argument
@@ -99,51 +103,133 @@ def check_ragged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         device_check(q_ok.all(), q_message)
         device_check(cache_ok.all(), cache_message)
         raise
-    return B, T, Hq, D, Lmax, Hkv
+
+
+def check_ragged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None
+                                  ) -> tuple[int, int, int, int, int, int]:
+    """Validate the arguments of `ragged_attention`; return ``(B, T, Hq, D, Lmax, Hkv)``.
+
+    Shapes, dtypes and devices are checked on the host (ValueError naming the argument, with
+    expected and actual values); the values of ``cache_seqlens`` and ``q_seqlens`` are checked
+    on the device with `device_check` (no host synchronization).
+    """
+    shape = _check_ragged_attention_shapes(q, k_cache, v_cache, cache_seqlens, q_seqlens)
+    _check_ragged_attention_lengths(cache_seqlens, q_seqlens, shape[1], shape[4])
+    return shape
+
+
+class RaggedAttentionPlan:
+    """The part of `ragged_attention` that depends only on the lengths, made once and shared.
+
+    Every layer of one forward pass attends with the same ``cache_seqlens`` and ``q_seqlens``;
+    a plan checks their values once (on the device, no host sync) and builds the CPU path's masks
+    once, instead of once per layer (FlashInfer's plan / run split)::
+
+        plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax)
+        for layer in range(num_layers):
+            out = ragged_attention(q, k_cache[layer], v_cache[layer], plan.cache_seqlens,
+                                   plan.q_seqlens, plan=plan)
+
+    Args:
+        cache_seqlens: [B] integer tensor, as in `ragged_attention`.
+        q_seqlens: [B] integer tensor or None, as in `ragged_attention`.
+        num_queries: T, the query length of the calls.
+        max_len: Lmax, the cache length of the calls.
+
+    Raises:
+        ValueError: bad shapes or dtypes (host), or out-of-range values (`DeviceCheckError` on
+            CPU, a device assert on CUDA), as `ragged_attention` would.
+    """
+
+    def __init__(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
+                 num_queries: int, max_len: int) -> None:
+        if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dim() != 1:
+            raise ValueError(f"cache_seqlens must be a [B] integer tensor, got "
+                             f"{getattr(cache_seqlens, 'shape', type(cache_seqlens).__name__)}")
+        for name, value in (("num_queries", num_queries), ("max_len", max_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if max_len < num_queries:
+            raise ValueError(f"max_len={max_len} must be >= num_queries={num_queries}")
+        B, device = cache_seqlens.shape[0], cache_seqlens.device
+        _check_lengths_tensor("cache_seqlens", cache_seqlens, B, device)
+        if q_seqlens is not None:
+            _check_lengths_tensor("q_seqlens", q_seqlens, B, device)
+        _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len)
+        self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
+        self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
+        self._masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+    def check_call(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, T: int, Lmax: int) -> None:
+        """Raise ValueError unless a call's lengths and shapes are the ones this plan was made for."""
+        if cache_seqlens is not self.cache_seqlens or q_seqlens is not self.q_seqlens:
+            raise ValueError("plan was made for other cache_seqlens / q_seqlens tensors: pass "
+                             "plan.cache_seqlens and plan.q_seqlens")
+        if (T, Lmax) != (self.num_queries, self.max_len):
+            raise ValueError(f"plan was made for T={self.num_queries}, Lmax={self.max_len}; "
+                             f"got q with T={T} and a cache with Lmax={Lmax}")
+
+    def torch_masks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The CPU path's masks, built on the first call: ``hidden`` [B, T, 1, Lmax] bool (keys a
+        query must not see), ``keep`` [B, Lmax, 1] int32 (-1 on valid keys, 0 beyond the row's
+        length) and ``padding`` [B, T, 1, 1] bool (query rows past q_seqlens; None without them)."""
+        if self._masks is None:
+            T, device = self.num_queries, self.cache_seqlens.device
+            lengths = self.cache_seqlens.view(-1, 1)
+            n = T if self.q_seqlens is None else self.q_seqlens.view(-1, 1)
+            steps = torch.arange(T, device=device)
+            keys = torch.arange(self.max_len, device=device)
+            # Query t of row b sees keys 0 .. last[b, t]. Padding rows (t >= n) reach past the
+            # row's length (possibly NaN there); they are zeroed at the end.
+            last = lengths - n + steps                                              # [B, T]
+            hidden = (keys > last.unsqueeze(2)).unsqueeze(2)                        # [B, T, 1, Lmax]
+            keep = -(keys < lengths).view(torch.int8).to(torch.int32).unsqueeze(2)  # [B, Lmax, 1]
+            padding = None if self.q_seqlens is None else (steps >= n).view(-1, T, 1, 1)
+            self._masks = hidden, keep, padding
+        return self._masks
+
+
+def _bmm_per_kv_head(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: float) -> None:
+    """``out[h] = alpha * a[h] @ b[h]`` for [Hkv, B, ., .] operands, where ``b`` is a strided view
+    of the cache: one bmm per KV head reads it in place (one bmm over heads and rows would need
+    a copy), except with one row, where heads and rows merge into one batch dimension for free."""
+    if a.shape[1] == 1:
+        torch.baddbmm(out[:, 0], a[:, 0], b[:, 0], beta=0.0, alpha=alpha, out=out[:, 0])
+        return
+    for a_h, b_h, o_h in zip(a, b, out, strict=True):
+        torch.baddbmm(o_h, a_h, b_h, beta=0.0, alpha=alpha, out=o_h)
 
 
 def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None,
-                            scale: float) -> torch.Tensor:
+                            plan: RaggedAttentionPlan, scale: float) -> torch.Tensor:
     """Vectorized, sync-free CPU path (works on any device). Shapes as in `ragged_attention`."""
     B, T, Hq, D = q.shape
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    lengths = cache_seqlens.view(B, 1)
-    n = T if q_seqlens is None else q_seqlens.view(B, 1)
-    steps = torch.arange(T, device=q.device)
-    keys = torch.arange(Lmax, device=q.device)
-    # Query t of row b sees keys 0 .. last[b, t]; padding rows (t >= n) reach past the row's
-    # length (possibly NaN) and are zeroed at the end.
-    last = lengths - n + steps                                                # [B, T]
-    allowed = (keys <= last.unsqueeze(2)).unsqueeze(2)                         # [B, T, 1, Lmax]
-    # Entries beyond a row's length are never trusted. A NaN key there gives a NaN score, which
-    # the mask below replaces by -inf; a NaN value times a zero weight is NaN in P @ V, so each
-    # KV head's V is copied with its tail zeroed right before its P @ V (still in cache): a
-    # bitwise AND with keep = -1 or 0, exact for every valid value (torch.where took up to 10x
-    # longer on CPU).
-    keep = -(keys < lengths).view(torch.int8).unsqueeze(2)                     # [B, Lmax, 1]
-    k, v = k_cache.float(), v_cache.float()
+    hidden, keep, padding = plan.torch_masks()
     # Packed rows r = t * G + g of KV head h: its G query heads times the row's T queries.
-    q_packed = (q.float() * scale).view(B, T, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, T * G, D)
+    q_packed = q.float().view(B, T, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, T * G, D)
     scores = q_packed.new_empty(Hkv, B, T * G, Lmax)
-    # One batched matmul over all rows per KV head (K read in place: [B, D, Lmax] strided views).
-    for q_h, k_h, s_h in zip(q_packed, k.permute(2, 0, 3, 1), scores, strict=True):
-        torch.bmm(q_h, k_h, out=s_h)
-    scores = scores.view(Hkv, B, T, G, Lmax)
-    probs = torch.where(allowed, scores, float("-inf")).softmax(-1).view(Hkv, B, T * G, Lmax)
-    out = q_packed.new_empty(Hkv, B, T * G, D)
-    for p_h, v_h, o_h in zip(probs, v.permute(2, 0, 1, 3), out, strict=True):
-        torch.bmm(p_h, (v_h.view(torch.int32) & keep).view(torch.float32), out=o_h)
-    out = out.view(Hkv, B, T, G, D).permute(1, 2, 0, 3, 4)                    # [B, T, Hkv, G, D]
-    if q_seqlens is not None:
-        out = torch.where((steps < n).view(B, T, 1, 1, 1), out, 0.0)
+    _bmm_per_kv_head(q_packed, k_cache.float().permute(2, 0, 3, 1), scores, scale)  # K read in place
+    # Hidden keys get -inf; this also replaces the NaN scores of NaN keys beyond a row's length.
+    probs = scores.view(Hkv, B, T, G, Lmax).masked_fill_(hidden, float("-inf")).softmax(-1)
+    # A NaN value beyond a row's length times its zero weight would still be NaN in P @ V, so V
+    # is copied (heads first, for one bmm) with those entries zeroed: a bitwise AND with keep =
+    # -1 or 0 is exact for every valid value (torch.where took up to 10x longer on CPU).
+    v_kept = torch.empty(Hkv, B, Lmax, D, dtype=torch.int32, device=q.device)
+    torch.bitwise_and(v_cache.float().view(torch.int32).permute(2, 0, 1, 3), keep, out=v_kept)
+    out = torch.bmm(probs.view(Hkv * B, T * G, Lmax), v_kept.view(torch.float32).view(Hkv * B, Lmax, D))
+    out = out.view(Hkv, B, T, G, D).permute(1, 2, 0, 3, 4)                      # [B, T, Hkv, G, D]
+    if padding is not None:
+        out = out.masked_fill(padding.unsqueeze(-1), 0.0)
     return out.reshape(B, T, Hq, D).to(q.dtype)
 
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
-                     scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                     scale: float | None = None, backend: str = "auto",
+                     plan: RaggedAttentionPlan | None = None) -> torch.Tensor:
     """Causal GQA attention of T new queries per row over a ragged KV cache.
 
     Query i of row b sits at position ``cache_seqlens[b] - q_seqlens[b] + i`` and attends to keys
@@ -161,6 +247,8 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale: softmax scale, default ``1 / sqrt(D)``.
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"reference"``, ``"torch"`` or
             ``"triton"``.
+        plan: a `RaggedAttentionPlan` for these ``cache_seqlens`` / ``q_seqlens`` (the same
+            tensors), shared by calls with the same lengths; None makes one for this call.
 
     Returns:
         [B, T, Hq, D] in ``q.dtype`` (accumulated in float32); rows ``i >= q_seqlens[b]`` are zero.
@@ -170,14 +258,18 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             also out-of-range lengths (`DeviceCheckError`); on CUDA those are device asserts.
     """
     backend = resolve_backend(backend, q.device if isinstance(q, torch.Tensor) else "cpu")
+    _, T, _, D, Lmax, _ = _check_ragged_attention_shapes(q, k_cache, v_cache, cache_seqlens, q_seqlens)
+    if plan is None:
+        plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax)
+    else:
+        plan.check_call(cache_seqlens, q_seqlens, T, Lmax)
     if backend == "reference":
         from .reference.attention import ragged_attention as reference
 
         return reference(q, k_cache, v_cache, cache_seqlens, q_seqlens, scale=scale)
-    D = check_ragged_attention_inputs(q, k_cache, v_cache, cache_seqlens, q_seqlens)[3]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if backend == "torch":
-        return _ragged_attention_torch(q, k_cache, v_cache, cache_seqlens, q_seqlens, scale)
+        return _ragged_attention_torch(q, k_cache, v_cache, plan, scale)
     from .kernels.attention import ragged_attention_triton
 
     return ragged_attention_triton(q, k_cache, v_cache, cache_seqlens, q_seqlens, scale)

@@ -20,6 +20,8 @@ boolean mask, whose result size depends on the mask's values.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._backend import device_check, resolve_backend
@@ -38,6 +40,19 @@ def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.
     if value.device != device:
         raise ValueError(f"{name} must be on the cache's device {device}, got {value.device}")
     return value.to(torch.int64)
+
+
+@dataclass(frozen=True)
+class AppendPlan:
+    """Where one forward pass's appends write (see `KVCache.plan_append`); shapes [B, T]."""
+
+    num_new: int                  # T
+    q_seqlens: torch.Tensor | None  # [B] int64, or None for T
+    lengths: torch.Tensor         # [B] int64: the cache lengths when the plan was made
+    rows: torch.Tensor            # [B, T] row index of each entry
+    positions: torch.Tensor       # [B, T] cache position of each entry
+    gather: torch.Tensor | None   # [B, T, Hkv, D] source entry (padding repeats the last real one)
+    empty: torch.Tensor | None    # [B, 1, 1, 1] bool: rows with q_seqlens = 0 (write nothing)
 
 
 class KVCache:
@@ -81,8 +96,44 @@ class KVCache:
                 f"dtype={self.dtype}, "
                 f"device={self.device})")
 
+    def plan_append(self, num_new: int, q_seqlens: int | torch.Tensor | None = None) -> AppendPlan:
+        """Where the next `append` calls (one per layer of a forward pass) write: checked once.
+
+        Args:
+            num_new: T, new tokens per row in ``k_new`` / ``v_new``.
+            q_seqlens: [B] integer in ``0 .. T`` (or an int), default T: real new tokens per row.
+
+        Raises:
+            ValueError: bad arguments; writing past ``max_len`` raises `DeviceCheckError` (a
+                ValueError) on CPU and is a device-side assert on CUDA.
+        """
+        if not isinstance(num_new, int) or isinstance(num_new, bool) or num_new < 1:
+            raise ValueError(f"num_new must be a positive int, got {num_new!r}")
+        T, B = num_new, self.batch_size
+        if T > self.max_len:
+            raise ValueError(f"k_new has T={T} new tokens, more than max_len={self.max_len}")
+        qs = None if q_seqlens is None else _as_lengths("q_seqlens", q_seqlens, B, self.device)
+        new_end = self.lengths + (T if qs is None else qs)
+        in_range = (new_end <= self.max_len).all()
+        if qs is not None:
+            in_range = in_range & ((qs >= 0) & (qs <= T)).all()
+        device_check(in_range, f"KVCache.append: writing past max_len={self.max_len} "
+                               f"(lengths + q_seqlens must be <= max_len and 0 <= q_seqlens <= T={T})")
+        steps = torch.arange(T, device=self.device)
+        rows = torch.arange(B, device=self.device)[:, None].expand(B, T)
+        if qs is None:
+            return AppendPlan(T, None, self.lengths.clone(), rows, self.lengths[:, None] + steps, None, None)
+        # Padding entries t >= q_seqlens[b] rewrite the row's last real entry with the same value
+        # (duplicate indices with identical values keep index_put_ deterministic); a row with
+        # q_seqlens = 0 writes its entries back onto themselves.
+        source = torch.minimum(steps, (qs[:, None] - 1).clamp(min=0))               # [B, T]
+        positions = (self.lengths[:, None] + source).clamp(max=self.max_len - 1)
+        gather = source[:, :, None, None].expand(B, T, self.num_kv_heads, self.head_dim)
+        return AppendPlan(T, qs, self.lengths.clone(), rows, positions, gather, (qs == 0)[:, None, None, None])
+
     def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
-               q_seqlens: int | torch.Tensor | None = None, *, backend: str = "auto") -> None:
+               q_seqlens: int | torch.Tensor | None = None, *, plan: AppendPlan | None = None,
+               backend: str = "auto") -> None:
         """Write row b's first ``q_seqlens[b]`` new keys/values at positions ``lengths[b] ..``.
 
         Does not move `lengths` (every layer of one forward pass appends at the same offsets;
@@ -93,6 +144,8 @@ class KVCache:
             layer: layer index in ``0 .. num_layers - 1``.
             k_new, v_new: [B, T, Hkv, D] in the cache's dtype, on its device.
             q_seqlens: [B] integer in ``0 .. T`` (or an int), default T.
+            plan: from `plan_append` (made once for all layers of a forward pass, with the
+                same lengths); then ``q_seqlens`` must be None (the plan holds it).
             backend: ``"auto"`` (a Triton scatter on CUDA, an ``index_put_`` elsewhere),
                 ``"torch"``, ``"triton"``; ``"reference"`` means ``"torch"`` here.
 
@@ -114,41 +167,26 @@ class KVCache:
                 raise ValueError(f"{name} must be on the cache's device {self.device}, got {t.device}")
         if k_new.shape != v_new.shape:
             raise ValueError(f"v_new must have k_new's shape {list(k_new.shape)}, got {list(v_new.shape)}")
-        T = k_new.shape[1]
-        if T > self.max_len:
-            raise ValueError(f"k_new has T={T} new tokens, more than max_len={self.max_len}")
-        qs = None if q_seqlens is None else _as_lengths("q_seqlens", q_seqlens, B, self.device)
-        new_end = self.lengths + (T if qs is None else qs)
-        in_range = (new_end <= self.max_len).all()
-        if qs is not None:
-            in_range = in_range & ((qs >= 0) & (qs <= T)).all()
-        device_check(in_range, f"KVCache.append: writing past max_len={self.max_len} "
-                               f"(lengths + q_seqlens must be <= max_len and 0 <= q_seqlens <= T={T})")
+        if plan is None:
+            plan = self.plan_append(k_new.shape[1], q_seqlens)
+        elif q_seqlens is not None:
+            raise ValueError("pass q_seqlens to plan_append, not to append, when a plan is given")
+        elif plan.num_new != k_new.shape[1] or plan.rows.shape[0] != B:
+            raise ValueError(f"plan was made for B={plan.rows.shape[0]}, T={plan.num_new}; "
+                             f"k_new has shape {list(k_new.shape)}")
         backend = resolve_backend("torch" if backend == "reference" else backend, self.device)
         if backend == "triton":
             from .kernels.cache import append_triton
 
-            append_triton(self.k[layer], self.v[layer], k_new, v_new, self.lengths, qs)
+            append_triton(self.k[layer], self.v[layer], k_new, v_new, plan.lengths, plan.q_seqlens)
             return
-        steps = torch.arange(T, device=self.device)
-        rows = torch.arange(B, device=self.device)[:, None].expand(B, T)
-        if qs is None:
-            source, k_src, v_src = None, k_new, v_new
-        else:
-            # Padding entries t >= q_seqlens[b] rewrite the row's last real entry with the same
-            # value: duplicate indices with identical values keep index_put_ deterministic.
-            source = torch.minimum(steps, (qs[:, None] - 1).clamp(min=0))      # [B, T]
-            gather = source[:, :, None, None].expand(B, T, Hkv, D)
-            k_src, v_src = k_new.gather(1, gather), v_new.gather(1, gather)
-        offsets = steps if source is None else source
-        positions = (self.lengths[:, None] + offsets).clamp(max=self.max_len - 1)  # [B, T]
-        if qs is not None:
-            # A row with q_seqlens = 0 writes nothing: send its entries back onto themselves.
-            empty = (qs == 0)[:, None, None, None]
-            k_src = torch.where(empty, self.k[layer][rows, positions], k_src)
-            v_src = torch.where(empty, self.v[layer][rows, positions], v_src)
-        self.k[layer].index_put_((rows, positions), k_src)
-        self.v[layer].index_put_((rows, positions), v_src)
+        k_src, v_src = k_new, v_new
+        if plan.gather is not None:
+            k_src, v_src = k_new.gather(1, plan.gather), v_new.gather(1, plan.gather)
+            k_src = torch.where(plan.empty, self.k[layer][plan.rows, plan.positions], k_src)
+            v_src = torch.where(plan.empty, self.v[layer][plan.rows, plan.positions], v_src)
+        self.k[layer].index_put_((plan.rows, plan.positions), k_src)
+        self.v[layer].index_put_((plan.rows, plan.positions), v_src)
 
     def advance(self, q_seqlens: int | torch.Tensor) -> None:
         """``lengths += q_seqlens`` (an int or a [B] integer tensor); no data is touched.

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_kernels import ragged_attention
+from specdec_kernels import RaggedAttentionPlan, ragged_attention
 from specdec_kernels.attention import DeviceCheckError
 from specdec_kernels.testing import SyncCounter, TrafficMeter, assert_close
 
@@ -230,3 +230,34 @@ def test_value_check_error_is_also_runtime_error():
     with pytest.raises(RuntimeError, match="cache_seqlens"):
         ragged_attention(**args, backend="torch")
     assert issubclass(DeviceCheckError, ValueError)
+
+
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", [CASES[1], CASES[3], CASES[7]])
+def test_plan_shared_by_layers_equals_one_call_each(backend, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax)
+    for layer in range(3):  # "layers": other q/k/v, the same lengths and plan
+        q_l, k_l, v_l = (x.roll(layer, dims=-1) for x in (q, k, v))
+        out = ragged_attention(q_l, k_l, v_l, cache_seqlens, q_seqlens, backend=backend, plan=plan)
+        assert torch.equal(out, ragged_attention(q_l, k_l, v_l, cache_seqlens, q_seqlens, backend=backend))
+
+
+def test_plan_checks_lengths_once_and_rejects_another_call():
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(3, 5, 3, 3, 64, 257, [5, 257, 100], [5, 1, 3])
+    with pytest.raises(ValueError, match="q_seqlens must lie in 1..T=4"):
+        RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=4, max_len=257)
+    with pytest.raises(ValueError, match="cache_seqlens must lie in"):
+        RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=5, max_len=200)
+    with pytest.raises(ValueError, match="num_queries"):
+        RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=0, max_len=257)
+    with pytest.raises(ValueError, match="cache_seqlens must be an integer"):
+        RaggedAttentionPlan(cache_seqlens.float(), q_seqlens, num_queries=5, max_len=257)
+    plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=5, max_len=257)
+    with pytest.raises(ValueError, match="plan was made for other"):
+        ragged_attention(q, k, v, cache_seqlens.clone(), q_seqlens, plan=plan)
+    with pytest.raises(ValueError, match="plan was made for other"):
+        ragged_attention(q, k, v, cache_seqlens, None, plan=plan)
+    with pytest.raises(ValueError, match="plan was made for T=5, Lmax=257"):
+        ragged_attention(q[:, :4], k, v, cache_seqlens, q_seqlens, plan=plan)
+    with pytest.raises(ValueError, match="plan was made for T=5, Lmax=257"):
+        ragged_attention(q, k[:, :256], v[:, :256], cache_seqlens, q_seqlens, plan=plan)

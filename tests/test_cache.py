@@ -224,3 +224,35 @@ def test_decode_and_verify_through_cache_match_full_recompute(path):
         cache.advance(n)
     cache.crop(cache.lengths - torch.tensor([2, 0]))
     assert cache.lengths.tolist() == [11, 8]
+
+
+@pytest.mark.parametrize("append_backend", APPEND_BACKENDS)
+def test_append_plan_shared_by_layers(append_backend):
+    planned, direct = KVCache(3, 3, 12, 2, 64), KVCache(3, 3, 12, 2, 64)
+    for cache in (planned, direct):
+        cache.lengths.copy_(torch.tensor([0, 4, 12]))
+    q_lens = torch.tensor([5, 2, 0])
+    plan = planned.plan_append(5, q_lens)
+    for layer in range(3):
+        k_new, v_new = _rand(3, 5, 2, 64, seed=layer), _rand(3, 5, 2, 64, seed=10 + layer)
+        planned.append(layer, k_new, v_new, plan=plan, backend=append_backend)
+        direct.append(layer, k_new, v_new, q_lens, backend=append_backend)
+    for layer in range(3):
+        assert torch.equal(planned.k[layer], direct.k[layer]) and torch.equal(planned.v[layer], direct.v[layer])
+
+
+def test_append_plan_errors():
+    cache = KVCache(2, 2, 8, 1, 4)
+    cache.lengths.copy_(torch.tensor([6, 0]))
+    with pytest.raises(ValueError, match="writing past max_len=8"):
+        cache.plan_append(3)
+    with pytest.raises(ValueError, match="num_new must be a positive int"):
+        cache.plan_append(0)
+    with pytest.raises(ValueError, match="q_seqlens must be an integer tensor"):
+        cache.plan_append(2, torch.tensor([1.0, 2.0]))
+    plan = cache.plan_append(2, torch.tensor([2, 1]))
+    k_new = torch.zeros(2, 2, 1, 4)
+    with pytest.raises(ValueError, match="pass q_seqlens to plan_append"):
+        cache.append(0, k_new, k_new, torch.tensor([2, 1]), plan=plan)
+    with pytest.raises(ValueError, match="plan was made for B=2, T=2"):
+        cache.append(0, k_new[:, :1], k_new[:, :1], plan=plan)
