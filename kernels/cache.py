@@ -21,7 +21,8 @@ HEAD_DIMS = (64, 80, 96, 128)
 @triton.jit
 def _kv_append_kernel(
     k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, lengths_ptr, q_seqlens_ptr, has_q_seqlens, T, max_len,
-    stride_cb, stride_cl, stride_ch, stride_nb, stride_nt, stride_nh,
+    stride_kcb, stride_kcl, stride_kch, stride_vcb, stride_vcl, stride_vch,
+    stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     D: tl.constexpr, BD: tl.constexpr,
 ):
     i_t = tl.program_id(0)
@@ -31,10 +32,10 @@ def _kv_append_kernel(
     position = tl.load(lengths_ptr + i_b) + i_t
     o_d = tl.arange(0, BD)
     m = (o_d < D) & (o_d * 0 + i_t < n) & (o_d * 0 + position < max_len)
-    src = i_b * stride_nb + i_t * stride_nt + i_h * stride_nh + o_d
-    dst = i_b * stride_cb + position * stride_cl + i_h * stride_ch + o_d
-    tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + src, mask=m), mask=m)
-    tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + src, mask=m), mask=m)
+    k = tl.load(k_new_ptr + i_b * stride_knb + i_t * stride_knt + i_h * stride_knh + o_d, mask=m)
+    v = tl.load(v_new_ptr + i_b * stride_vnb + i_t * stride_vnt + i_h * stride_vnh + o_d, mask=m)
+    tl.store(k_cache_ptr + i_b * stride_kcb + position * stride_kcl + i_h * stride_kch + o_d, k, mask=m)
+    tl.store(v_cache_ptr + i_b * stride_vcb + position * stride_vcl + i_h * stride_vch + o_d, v, mask=m)
 
 
 def append_config(head_dim: int) -> dict[str, int]:
@@ -45,21 +46,21 @@ def append_config(head_dim: int) -> dict[str, int]:
 def append_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   lengths: torch.Tensor, q_seqlens: torch.Tensor | None) -> None:
     """Scatter validated ``k_new``/``v_new`` [B, T, Hkv, D] into ``k_cache``/``v_cache``
-    [B, max_len, Hkv, D] at positions ``lengths[b] + t`` for ``t < q_seqlens[b]`` (one launch)."""
+    [B, max_len, Hkv, D] (any strides with a contiguous head dim: the cache is written in place)
+    at positions ``lengths[b] + t`` for ``t < q_seqlens[b]`` (one launch)."""
     B, T, Hkv, D = k_new.shape
     if D not in HEAD_DIMS:
         raise ValueError(f"the Triton append supports head_dim in {HEAD_DIMS}, got D={D}; "
                          "use backend='torch'")
-    if k_cache.stride() != v_cache.stride() or k_new.stride() != v_new.stride():
-        k_cache, v_cache, k_new, v_new = (t.contiguous() for t in (k_cache, v_cache, k_new, v_new))
-    if k_cache.stride(-1) != 1 or k_new.stride(-1) != 1:
-        raise ValueError("the Triton append needs the head dim of the cache and of k_new to be contiguous")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the Triton append needs the head dim of k_cache and v_cache to be contiguous")
+    k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
     has_q = q_seqlens is not None
     cfg = append_config(D)
     _kv_append_kernel[(T, Hkv, B)](
         k_cache, v_cache, k_new, v_new, lengths, q_seqlens if has_q else lengths, int(has_q), T,
-        k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_new.stride(0), k_new.stride(1), k_new.stride(2), D=D, BD=cfg["BD"], num_warps=cfg["num_warps"],
+        k_cache.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
+        D=D, BD=cfg["BD"], num_warps=cfg["num_warps"],
     )
 
 
@@ -71,8 +72,9 @@ def _register() -> None:
             cfg = append_config(D)
             signature = {"k_cache_ptr": ptr, "v_cache_ptr": ptr, "k_new_ptr": ptr, "v_new_ptr": ptr,
                          "lengths_ptr": "*i64", "q_seqlens_ptr": "*i64",
-                         **{n: "i32" for n in ("has_q_seqlens", "T", "max_len", "stride_cb", "stride_cl",
-                                               "stride_ch", "stride_nb", "stride_nt", "stride_nh")},
+                         **{n: "i32" for n in ("has_q_seqlens", "T", "max_len")},
+                         **{f"stride_{t}": "i32" for t in ("kcb", "kcl", "kch", "vcb", "vcl", "vch",
+                                                            "knb", "knt", "knh", "vnb", "vnt", "vnh")},
                          "D": "constexpr", "BD": "constexpr"}
             register(KernelSpec(f"cache[append,{short[dtype]},D={D}]", _kv_append_kernel, signature,
                                 dict(D=D, BD=cfg["BD"]), num_warps=cfg["num_warps"], num_stages=1))

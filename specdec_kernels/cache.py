@@ -68,7 +68,9 @@ class KVCache:
         device: buffer device.
 
     Attributes:
-        k, v: lists of ``num_layers`` tensors [B, max_len, Hkv, D] (zero-initialized).
+        k, v: lists of ``num_layers`` tensors [B, max_len, Hkv, D] (zero-initialized): views of
+            head-major buffers [B, Hkv, max_len, D], so not contiguous; writes through them
+            land in the cache.
         lengths: [B] int64 on ``device``: valid positions per row.
         num_layers, batch_size, max_len, num_kv_heads, head_dim, dtype, device.
     """
@@ -84,11 +86,18 @@ class KVCache:
         self.num_layers, self.batch_size, self.max_len = num_layers, batch_size, max_len
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (batch_size, max_len, num_kv_heads, head_dim)
-        # Zeros, not empty: the torch attention path multiplies entries beyond a length by zero weights.
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # Head-major storage [B, Hkv, max_len, D]: each head's keys are contiguous, as attention
+        # reads them (the CPU path then multiplies all rows and heads in one bmm, without a copy).
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self._k_heads = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._v_heads = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._expose()
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+
+    def _expose(self) -> None:
+        """``k`` / ``v``: [B, max_len, Hkv, D] views of the head-major buffers."""
+        self.k = [t.transpose(1, 2) for t in self._k_heads]
+        self.v = [t.transpose(1, 2) for t in self._v_heads]
 
     def __repr__(self) -> str:
         return (f"KVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
@@ -238,8 +247,9 @@ class KVCache:
             device_check(((rows >= 0) & (rows < self.batch_size)).all(),
                          f"KVCache.select: rows must index 0..{self.batch_size - 1}")
         rows = rows.to(torch.int64)
-        self.k = [t.index_select(0, rows) for t in self.k]
-        self.v = [t.index_select(0, rows) for t in self.v]
+        self._k_heads = [t.index_select(0, rows) for t in self._k_heads]
+        self._v_heads = [t.index_select(0, rows) for t in self._v_heads]
+        self._expose()
         self.lengths = self.lengths.index_select(0, rows)
         self.batch_size = int(rows.shape[0])
         return self
