@@ -497,7 +497,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         # 2. Verify: the target scores the last token and the drafts in one forward.
         with timer("target"):
             target_start = target_cache.lengths.clone()
-            target_logits = target(torch.cat([last[:, None], draft_ids], 1), target_cache, num_drafts + 1)
+            # Every row verifies 1 + K tokens unless prompt lookup left some rows with fewer.
+            ragged = lookup and widest > 0
+            target_logits = target(torch.cat([last[:, None], draft_ids], 1), target_cache,
+                                   num_drafts + 1 if ragged else None)
         stats.target_forwards += 1
 
         # 3. Accept a prefix, emit one corrected or bonus token.

@@ -121,12 +121,6 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, T, H, D] by angles whose cos/sin are [B, T, 1, D/2] (half-split layout, as HF)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 @dataclass
 class _Step:
     """What one forward pass computes once for all its layers: the rotary tables and the plans
@@ -138,7 +132,8 @@ class _Step:
     attention: RaggedAttentionPlan
 
     def rope(self, x: torch.Tensor) -> torch.Tensor:
-        """`apply_rope` with this step's tables, in three ops: x cos + roll(x, D/2) sin."""
+        """Rotate ``x`` [B, T, H, D] (half-split layout, as Hugging Face) in three ops:
+        ``x cos + roll(x, D/2) sin``, where roll swaps the halves and ``sin`` carries the sign."""
         x32 = _float32(x)
         rotated = torch.roll(x32, x.shape[-1] // 2, dims=-1)
         return torch.addcmul(x32 * self.cos, rotated, self.sin).to(x.dtype)
