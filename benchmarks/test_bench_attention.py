@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.timing import bench
-from specdec_kernels import ragged_attention
+from specdec_kernels import RaggedAttentionPlan, ragged_attention
 
 HQ, HKV, D = 9, 3, 64
 pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
@@ -51,14 +51,24 @@ def sdpa_baseline(q, k, v, mask):
 
 
 @pytest.mark.parametrize("B,T,L", SHAPES)
-@pytest.mark.parametrize("impl", ["ragged_attention", "sdpa"])
+@pytest.mark.parametrize("impl", ["ragged_attention", "ragged_attention_planned", "sdpa"])
 def test_cpu(benchmark, impl, B, T, L):
+    """``ragged_attention`` builds its plan (value checks, masks) inside the timed call;
+    ``ragged_attention_planned`` reuses a prebuilt `RaggedAttentionPlan`, as the layers of one
+    forward pass do (the model builds one plan per forward and shares it by all its layers)."""
     q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L)
-    ours = lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
-    torch.testing.assert_close(ours(), sdpa_baseline(q, k, v, mask), rtol=1e-4, atol=1e-4)
+    plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=k.shape[1])
+    plan.torch_masks()
+    calls = {
+        "ragged_attention": lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch"),
+        "ragged_attention_planned": lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch",
+                                                             plan=plan),
+        "sdpa": lambda: sdpa_baseline(q, k, v, mask),
+    }
+    torch.testing.assert_close(calls[impl](), sdpa_baseline(q, k, v, mask), rtol=1e-4, atol=1e-4)
     benchmark.group = f"cpu B{B}-T{T}-L{L}"
     benchmark.extra_info["torch_threads"] = torch.get_num_threads()
-    bench(benchmark, ours if impl == "ragged_attention" else (lambda: sdpa_baseline(q, k, v, mask)))
+    bench(benchmark, calls[impl])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
