@@ -61,8 +61,8 @@ def test_cpu(benchmark, impl, B, T, L):
     plan.torch_masks()
     calls = {
         "ragged_attention": lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch"),
-        "ragged_attention_planned": lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch",
-                                                             plan=plan),
+        "ragged_attention_planned": lambda: ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens,
+                                                             backend="torch", plan=plan),
         "sdpa": lambda: sdpa_baseline(q, k, v, mask),
     }
     torch.testing.assert_close(calls[impl](), sdpa_baseline(q, k, v, mask), rtol=1e-4, atol=1e-4)

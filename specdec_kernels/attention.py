@@ -37,7 +37,7 @@ from ._backend import DeviceCheckError, device_check, resolve_backend
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.device) -> None:
+def _check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.device, like: str = "q") -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a [B] integer tensor, got {type(t).__name__}")
     if t.shape != (batch,):
@@ -45,7 +45,7 @@ def _check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
     if t.device != device:
-        raise ValueError(f"{name} must be on {device} like q, got {t.device}")
+        raise ValueError(f"{name} must be on {device} like {like}, got {t.device}")
 
 
 def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -124,7 +124,8 @@ class RaggedAttentionPlan:
 
     Every layer of one forward pass attends with the same ``cache_seqlens`` and ``q_seqlens``;
     a plan checks their values once (on the device, no host sync) and builds the CPU path's masks
-    once, instead of once per layer (FlashInfer's plan / run split)::
+    once, instead of once per layer (FlashInfer's plan / run split). The plan keeps private copies
+    of the lengths; calls pass them back as ``plan.cache_seqlens`` / ``plan.q_seqlens``::
 
         plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax)
         for layer in range(num_layers):
@@ -153,9 +154,13 @@ class RaggedAttentionPlan:
         if max_len < num_queries:
             raise ValueError(f"max_len={max_len} must be >= num_queries={num_queries}")
         B, device = cache_seqlens.shape[0], cache_seqlens.device
-        _check_lengths_tensor("cache_seqlens", cache_seqlens, B, device)
+        if cache_seqlens.is_floating_point() or cache_seqlens.is_complex() or cache_seqlens.dtype == torch.bool:
+            raise ValueError(f"cache_seqlens must be an integer tensor, got dtype {cache_seqlens.dtype}")
         if q_seqlens is not None:
-            _check_lengths_tensor("q_seqlens", q_seqlens, B, device)
+            _check_lengths_tensor("q_seqlens", q_seqlens, B, device, like="cache_seqlens")
+        # Private copies: the masks are built from these values once, so they must not change.
+        cache_seqlens = cache_seqlens.clone()
+        q_seqlens = None if q_seqlens is None else q_seqlens.clone()
         _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len)
         self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len

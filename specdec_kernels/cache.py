@@ -42,9 +42,12 @@ def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.
     return value.to(torch.int64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AppendPlan:
     """Where one forward pass's appends write (see `KVCache.plan_append`); shapes [B, T]."""
+
+    cache: KVCache                # the cache it was made for ...
+    version: int                  # ... and that cache's `version` then (its lengths since)
 
     num_new: int                  # T
     q_seqlens: torch.Tensor | None  # [B] int64, or None for T
@@ -72,6 +75,8 @@ class KVCache:
             head-major buffers [B, Hkv, max_len, D], so not contiguous; writes through them
             land in the cache.
         lengths: [B] int64 on ``device``: valid positions per row.
+        version: host-side counter, bumped by `advance`, `crop` and `select` (an `AppendPlan`
+            is valid for the version it was made at).
         num_layers, batch_size, max_len, num_kv_heads, head_dim, dtype, device.
     """
 
@@ -86,13 +91,14 @@ class KVCache:
         self.num_layers, self.batch_size, self.max_len = num_layers, batch_size, max_len
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        # Head-major storage [B, Hkv, max_len, D]: each head's keys are contiguous, as attention
-        # reads them (the CPU path then multiplies all rows and heads in one bmm, without a copy).
+        # Head-major storage [B, Hkv, max_len, D]: each (row, head) block of keys and values is
+        # contiguous, so attention streams it instead of striding over the other heads.
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self._k_heads = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._v_heads = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._expose()
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+        self.version = 0  # bumped whenever lengths or rows change: an append plan is valid for one version
 
     def _expose(self) -> None:
         """``k`` / ``v``: [B, max_len, Hkv, D] views of the head-major buffers."""
@@ -108,6 +114,9 @@ class KVCache:
     def plan_append(self, num_new: int, q_seqlens: int | torch.Tensor | None = None) -> AppendPlan:
         """Where the next `append` calls (one per layer of a forward pass) write: checked once.
 
+        The plan is valid until the lengths or rows change (`advance`, `crop`, `select`); `append`
+        refuses it afterwards.
+
         Args:
             num_new: T, new tokens per row in ``k_new`` / ``v_new``.
             q_seqlens: [B] integer in ``0 .. T`` (or an int), default T: real new tokens per row.
@@ -120,7 +129,7 @@ class KVCache:
             raise ValueError(f"num_new must be a positive int, got {num_new!r}")
         T, B = num_new, self.batch_size
         if T > self.max_len:
-            raise ValueError(f"k_new has T={T} new tokens, more than max_len={self.max_len}")
+            raise ValueError(f"num_new={T} new tokens per row is more than max_len={self.max_len}")
         qs = None if q_seqlens is None else _as_lengths("q_seqlens", q_seqlens, B, self.device)
         new_end = self.lengths + (T if qs is None else qs)
         in_range = (new_end <= self.max_len).all()
@@ -131,14 +140,16 @@ class KVCache:
         steps = torch.arange(T, device=self.device)
         rows = torch.arange(B, device=self.device)[:, None].expand(B, T)
         if qs is None:
-            return AppendPlan(T, None, self.lengths.clone(), rows, self.lengths[:, None] + steps, None, None)
+            positions = (self.lengths[:, None] + steps).clamp(max=self.max_len - 1)
+            return AppendPlan(self, self.version, T, None, self.lengths.clone(), rows, positions, None, None)
         # Padding entries t >= q_seqlens[b] rewrite the row's last real entry with the same value
         # (duplicate indices with identical values keep index_put_ deterministic); a row with
         # q_seqlens = 0 writes its entries back onto themselves.
         source = torch.minimum(steps, (qs[:, None] - 1).clamp(min=0))               # [B, T]
         positions = (self.lengths[:, None] + source).clamp(max=self.max_len - 1)
         gather = source[:, :, None, None].expand(B, T, self.num_kv_heads, self.head_dim)
-        return AppendPlan(T, qs, self.lengths.clone(), rows, positions, gather, (qs == 0)[:, None, None, None])
+        return AppendPlan(self, self.version, T, qs, self.lengths.clone(), rows, positions, gather,
+                          (qs == 0)[:, None, None, None])
 
     def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
                q_seqlens: int | torch.Tensor | None = None, *, plan: AppendPlan | None = None,
@@ -180,9 +191,11 @@ class KVCache:
             plan = self.plan_append(k_new.shape[1], q_seqlens)
         elif q_seqlens is not None:
             raise ValueError("pass q_seqlens to plan_append, not to append, when a plan is given")
-        elif plan.num_new != k_new.shape[1] or plan.rows.shape[0] != B:
-            raise ValueError(f"plan was made for B={plan.rows.shape[0]}, T={plan.num_new}; "
-                             f"k_new has shape {list(k_new.shape)}")
+        elif plan.cache is not self or plan.version != self.version:
+            raise ValueError("plan was made for another cache, or before its lengths or rows changed "
+                             "(advance, crop, select): make a new one with plan_append")
+        elif plan.num_new != k_new.shape[1]:
+            raise ValueError(f"plan was made for T={plan.num_new}; k_new has shape {list(k_new.shape)}")
         backend = resolve_backend("torch" if backend == "reference" else backend, self.device)
         if backend == "triton":
             from .kernels.cache import append_triton
@@ -207,6 +220,7 @@ class KVCache:
         device_check(((new <= self.max_len) & (step >= 0)).all(),
                      f"KVCache.advance: lengths would leave 0..max_len={self.max_len} (or q_seqlens < 0)")
         self.lengths.copy_(new)
+        self.version += 1
 
     def crop(self, new_lengths: int | torch.Tensor) -> None:
         """Set ``lengths = new_lengths`` (roll back rejected tokens); no data is touched.
@@ -219,6 +233,7 @@ class KVCache:
                      "KVCache.crop: new_lengths must lie in 0..lengths for every row "
                      "(crop cannot grow a row)")
         self.lengths.copy_(new)
+        self.version += 1
 
     def select(self, rows: torch.Tensor) -> KVCache:
         """Keep only the rows ``rows`` (to drop finished sequences), IN PLACE; returns ``self``.
@@ -251,5 +266,6 @@ class KVCache:
         self._v_heads = [t.index_select(0, rows) for t in self._v_heads]
         self._expose()
         self.lengths = self.lengths.index_select(0, rows)
+        self.version += 1
         self.batch_size = int(rows.shape[0])
         return self

@@ -76,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     On the CPU it is computed as ``(weight @ x^T)^T``, which MKL runs faster than ``F.linear``'s
     ``x @ weight^T`` for a few rows (measured over SmolLM2's weights on this project's 2-core CPU
     machines: 1.1 x at 5 rows, 1.3-1.4 x at 8 and 40, as fast at one). The result is a transposed
-    view; the next matmul reads it without a copy.
+    view (contiguous for one row); the element-wise ops that follow read it in place.
     """
     if x.device.type != "cpu":
         return F.linear(x, weight)
@@ -121,7 +121,7 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Step:
     """What one forward pass computes once for all its layers: the rotary tables and the plans
     of the cache writes and of the attention (masks, length checks)."""
@@ -157,7 +157,7 @@ class Attention(nn.Module):
         plan = step.attention
         out = ragged_attention(qk[:, :, :H], cache.k[layer], cache.v[layer], plan.cache_seqlens,
                                plan.q_seqlens, plan=plan)
-        return linear(out.view(B, T, H * D), self.wo.weight)
+        return linear(out.reshape(B, T, H * D), self.wo.weight)
 
 
 class FeedForward(nn.Module):
@@ -253,7 +253,7 @@ class Llama(nn.Module):
         cache.advance(T if q_seqlens is None else q_seqlens)
         if last_only:
             x = x[:, -1:] if q_seqlens is None else x.gather(1, (q_seqlens - 1).view(B, 1, 1).expand(B, 1, x.shape[-1]))
-        return linear(self.norm(x), self.output.weight)
+        return linear(self.norm(x), self.output.weight).contiguous()  # [B, T, V] rows, vocab contiguous
 
     def truncated(self, num_layers: int) -> Llama:
         """A draft made of this model's first ``num_layers`` layers plus its final norm and head

@@ -238,7 +238,7 @@ def test_plan_shared_by_layers_equals_one_call_each(backend, B, T, G, Hkv, D, Lm
     plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax)
     for layer in range(3):  # "layers": other q/k/v, the same lengths and plan
         q_l, k_l, v_l = (x.roll(layer, dims=-1) for x in (q, k, v))
-        out = ragged_attention(q_l, k_l, v_l, cache_seqlens, q_seqlens, backend=backend, plan=plan)
+        out = ragged_attention(q_l, k_l, v_l, plan.cache_seqlens, plan.q_seqlens, backend=backend, plan=plan)
         assert torch.equal(out, ragged_attention(q_l, k_l, v_l, cache_seqlens, q_seqlens, backend=backend))
 
 
@@ -252,12 +252,17 @@ def test_plan_checks_lengths_once_and_rejects_another_call():
         RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=0, max_len=257)
     with pytest.raises(ValueError, match="cache_seqlens must be an integer"):
         RaggedAttentionPlan(cache_seqlens.float(), q_seqlens, num_queries=5, max_len=257)
+    with pytest.raises(ValueError, match="q_seqlens must have shape"):
+        RaggedAttentionPlan(cache_seqlens, q_seqlens[:2], num_queries=5, max_len=257)
     plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=5, max_len=257)
+    expected = ragged_attention(q, k, v, cache_seqlens, q_seqlens)
+    cache_seqlens -= 1  # the plan keeps its own copy of the lengths it checked
+    assert torch.equal(ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, plan=plan), expected)
     with pytest.raises(ValueError, match="plan was made for other"):
-        ragged_attention(q, k, v, cache_seqlens.clone(), q_seqlens, plan=plan)
+        ragged_attention(q, k, v, cache_seqlens, q_seqlens, plan=plan)
     with pytest.raises(ValueError, match="plan was made for other"):
-        ragged_attention(q, k, v, cache_seqlens, None, plan=plan)
+        ragged_attention(q, k, v, plan.cache_seqlens, None, plan=plan)
     with pytest.raises(ValueError, match="plan was made for T=5, Lmax=257"):
-        ragged_attention(q[:, :4], k, v, cache_seqlens, q_seqlens, plan=plan)
+        ragged_attention(q[:, :4], k, v, plan.cache_seqlens, plan.q_seqlens, plan=plan)
     with pytest.raises(ValueError, match="plan was made for T=5, Lmax=257"):
-        ragged_attention(q, k[:, :256], v[:, :256], cache_seqlens, q_seqlens, plan=plan)
+        ragged_attention(q, k[:, :256], v[:, :256], plan.cache_seqlens, plan.q_seqlens, plan=plan)

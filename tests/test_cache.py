@@ -254,5 +254,17 @@ def test_append_plan_errors():
     k_new = torch.zeros(2, 2, 1, 4)
     with pytest.raises(ValueError, match="pass q_seqlens to plan_append"):
         cache.append(0, k_new, k_new, torch.tensor([2, 1]), plan=plan)
-    with pytest.raises(ValueError, match="plan was made for B=2, T=2"):
+    with pytest.raises(ValueError, match="plan was made for T=2"):
         cache.append(0, k_new[:, :1], k_new[:, :1], plan=plan)
+    with pytest.raises(ValueError, match="num_new=9 new tokens per row is more than max_len=8"):
+        cache.plan_append(9)
+    other = KVCache(2, 2, 8, 1, 4)
+    other.lengths.copy_(cache.lengths)
+    with pytest.raises(ValueError, match="another cache"):
+        other.append(0, k_new, k_new, plan=plan)
+    for change in (lambda: cache.advance(0), lambda: cache.crop(cache.lengths.clone()),
+                   lambda: cache.select(torch.arange(2))):
+        plan = cache.plan_append(2, torch.tensor([2, 1]))
+        change()  # even a change that moves nothing retires the plan
+        with pytest.raises(ValueError, match="before its lengths or rows changed"):
+            cache.append(0, k_new, k_new, plan=plan)

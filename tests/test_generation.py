@@ -65,6 +65,20 @@ def test_greedy_speculative_equals_greedy_generate(target, draft_kind, k, left):
         assert spec.stats.target_forwards <= 1 + -(-23 // (k + 1)) + 1
 
 
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])
+def test_greedy_speculative_equals_generate_without_grouped_heads(kv_heads):
+    """G = 1 (multi-head) and Hkv = 1 (multi-query) attention through decode and verification."""
+    model = tiny_llama(seed=3, scale=3.0, layers=2, heads=4, kv_heads=kv_heads)
+    input_ids, mask = ragged_prompts(B=4, seed=5)
+    plain = generate(model, input_ids, mask, max_new_tokens=12, temperature=0)
+    spec = speculative_generate(model, model.truncated(1), input_ids, mask, num_draft_tokens=3,
+                                max_new_tokens=12, temperature=0)
+    for row in range(input_ids.shape[0]):
+        differ = (plain.tokens[row] != spec.tokens[row]).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(model, input_ids, mask, plain.tokens, row, int(differ[0]))
+
+
 def exact_first_tokens_distribution(model, prompt, temperature=1.0, top_k=None, top_p=None):
     """Exact P(t1, t2) [V, V] and P(t3) [V] of the first generated tokens after ``prompt``."""
     V = model.vocab_size

@@ -36,10 +36,11 @@ ROPE_CASES = {
 }
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4, 1], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("rope", list(ROPE_CASES))
-def test_ragged_prefill_and_decode_match_transformers(tied, rope):
-    model = tiny_llama(seed=1, kv_heads=2, tie_word_embeddings=tied, rope_scaling=ROPE_CASES[rope])
+def test_ragged_prefill_and_decode_match_transformers(tied, rope, kv_heads):
+    model = tiny_llama(seed=1, kv_heads=kv_heads, tie_word_embeddings=tied, rope_scaling=ROPE_CASES[rope])
     hf = hf_twin(model)
     lengths = [5, 1, 9, 3]
     prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
