@@ -32,6 +32,7 @@ HEAD_DIMS = (64, 80, 96, 128)
 #: Upper bound of splits per row (the merge kernel reads one block of this many partials).
 MAX_SPLITS = 64
 MERGE_WARPS = 4
+MERGE_STAGES = 2
 _LOG2E = 1.4426950408889634
 
 
@@ -162,10 +163,11 @@ def _ragged_attn_merge_kernel(
 
 def attention_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict[str, int | bool]:
     """Block sizes and warps for ``rows = G * T`` packed query rows (shared by launcher and registry)."""
-    # Sized so that every registered specialization compiles without spills for sm_80 / sm_90
-    # even without alignment hints (the compile check passes none): at most 32 packed rows per
-    # tile (16 for fp32, whose BM=32 tile spills on sm_90); more rows take more row blocks, each
-    # re-reading K/V. 32 keys per step, 8 warps.
+    # Sized so that every registered specialization compiles without spills for sm_80 / sm_90,
+    # with and without alignment hints: at most 32 packed rows per tile (16 for fp32, whose BM=32
+    # tile spills on sm_90); more rows take more row blocks, each re-reading K/V. 32 keys per
+    # step, 8 warps; fp32 tiles are not software-pipelined (2 stages spilled for D = 80 and 96 on
+    # sm_80 once the loads are vectorized).
     BM = min(16 if dtype == torch.float32 else 32, max(16, triton.next_power_of_2(rows)))
     BD = max(16, triton.next_power_of_2(head_dim))
     BN = 32
@@ -173,7 +175,8 @@ def attention_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict[str, 
     # The Triton interpreter (3.x) computes bf16 tl.dot wrongly; there, and only there, bf16 tiles
     # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
     dot_f32 = dtype == torch.bfloat16 and interpreter_enabled()
-    return dict(BM=BM, BN=BN, BD=BD, IEEE=dtype == torch.float32, DOT_F32=dot_f32, num_warps=num_warps)
+    return dict(BM=BM, BN=BN, BD=BD, IEEE=dtype == torch.float32, DOT_F32=dot_f32, num_warps=num_warps,
+                num_stages=1 if dtype == torch.float32 else 2)
 
 
 def min_split_keys(dtype: torch.dtype, rows: int, BN: int) -> int:
@@ -237,13 +240,14 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         int(has_q), T, G, num_row_blocks, max_splits, min_chunk, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        D=D, BM=BM, BN=BN, BD=BD, IEEE=cfg["IEEE"], DOT_F32=cfg["DOT_F32"], num_warps=num_warps, num_stages=2,
+        D=D, BM=BM, BN=BN, BD=BD, IEEE=cfg["IEEE"], DOT_F32=cfg["DOT_F32"], num_warps=num_warps,
+        num_stages=cfg["num_stages"],
     )
     if max_splits > 1:
         _ragged_attn_merge_kernel[(rows, Hkv, B)](
             out, o_part, lse_part, cache_seqlens, q_lens, int(has_q), T, G, max_splits, min_chunk,
             out.stride(0), out.stride(1), out.stride(2),
-            D=D, BD=BD, BN=BN, BS=MAX_SPLITS, num_warps=MERGE_WARPS,
+            D=D, BD=BD, BN=BN, BS=MAX_SPLITS, num_warps=MERGE_WARPS, num_stages=MERGE_STAGES,
         )
     return out
 
@@ -253,6 +257,10 @@ def _register() -> None:
     strides = ("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
                "stride_vb", "stride_vl", "stride_vh", "stride_ob", "stride_ot", "stride_oh")
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    # As Triton's JIT specializes real launches: torch allocations are 16-byte aligned, and every
+    # stride is a multiple of D (64, 80, 96 or 128 elements), so of 16.
+    pointers = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "o_part_ptr", "lse_part_ptr", "cache_seqlens_ptr",
+                "q_seqlens_ptr")
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         ptr = torch_dtype_to_triton(dtype)
         for D in HEAD_DIMS:
@@ -271,7 +279,9 @@ def _register() -> None:
                                   DOT_F32=False)
                 register(KernelSpec(
                     f"attention[fwd,{short[dtype]},D={D},BM={cfg['BM']},BN={cfg['BN']}]",
-                    _ragged_attn_fwd_kernel, signature, constexprs, num_warps=cfg["num_warps"], num_stages=2))
+                    _ragged_attn_fwd_kernel, signature, constexprs, num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"],
+                    aligned=pointers + strides))
                 merge_sig = {"out_ptr": ptr, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
                              "cache_seqlens_ptr": "*i64", "q_seqlens_ptr": "*i64",
                              **{n: "i32" for n in ("has_q_seqlens", "T", "G", "max_splits", "min_chunk",
@@ -280,7 +290,9 @@ def _register() -> None:
                 register(KernelSpec(
                     f"attention[merge,{short[dtype]},D={D},BN={cfg['BN']}]", _ragged_attn_merge_kernel,
                     merge_sig, dict(D=D, BD=cfg["BD"], BN=cfg["BN"], BS=MAX_SPLITS),
-                    num_warps=MERGE_WARPS, num_stages=2))
+                    num_warps=MERGE_WARPS, num_stages=MERGE_STAGES,
+                    aligned=("out_ptr", "o_part_ptr", "lse_part_ptr", "cache_seqlens_ptr", "q_seqlens_ptr",
+                             "stride_ob", "stride_ot", "stride_oh")))
 
 
 _register()

@@ -76,8 +76,11 @@ def _register() -> None:
                          **{f"stride_{t}": "i32" for t in ("kcb", "kcl", "kch", "vcb", "vcl", "vch",
                                                             "knb", "knt", "knh", "vnb", "vnt", "vnh")},
                          "D": "constexpr", "BD": "constexpr"}
+            # Pointers 16-byte aligned, strides multiples of D (so of 16), as in real launches.
+            aligned = tuple(n for n in signature if n.endswith("_ptr") or n.startswith("stride_"))
             register(KernelSpec(f"cache[append,{short[dtype]},D={D}]", _kv_append_kernel, signature,
-                                dict(D=D, BD=cfg["BD"]), num_warps=cfg["num_warps"], num_stages=1))
+                                dict(D=D, BD=cfg["BD"]), num_warps=cfg["num_warps"], num_stages=1,
+                                aligned=aligned))
 
 
 _register()
