@@ -188,6 +188,8 @@ class KVCache:
         if k_new.shape != v_new.shape:
             raise ValueError(f"v_new must have k_new's shape {list(k_new.shape)}, got {list(v_new.shape)}")
         if plan is None:
+            if k_new.shape[1] > self.max_len:
+                raise ValueError(f"k_new has T={k_new.shape[1]} new tokens, more than max_len={self.max_len}")
             plan = self.plan_append(k_new.shape[1], q_seqlens)
         elif q_seqlens is not None:
             raise ValueError("pass q_seqlens to plan_append, not to append, when a plan is given")
