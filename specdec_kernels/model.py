@@ -80,7 +80,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     if x.device.type != "cpu":
         return F.linear(x, weight)
-    return (weight @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], weight.shape[0])
+    return torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:
