@@ -74,6 +74,19 @@ class DeviceCheckError(ValueError, RuntimeError):
     """
 
 
+def check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.device, on: str) -> None:
+    """Raise ValueError naming ``name`` unless ``t`` is a [batch] integer tensor on ``device``
+    (``on`` describes that device in the message, e.g. ``"cpu like q"``)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a [B] integer tensor, got {type(t).__name__}")
+    if t.shape != (batch,):
+        raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(t.shape)}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {on}, got {t.device}")
+
+
 def device_check(condition: torch.Tensor, message: str) -> None:
     """Assert the 0-d bool tensor ``condition`` without a host synchronization.
 

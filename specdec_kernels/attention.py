@@ -32,20 +32,9 @@ import math
 
 import torch
 
-from ._backend import DeviceCheckError, device_check, resolve_backend
+from ._backend import DeviceCheckError, check_lengths_tensor, device_check, resolve_backend
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.device, like: str = "q") -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a [B] integer tensor, got {type(t).__name__}")
-    if t.shape != (batch,):
-        raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(t.shape)}")
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} like {like}, got {t.device}")
 
 
 def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -80,9 +69,9 @@ def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         raise ValueError(f"q's heads Hq={Hq} must be a multiple of k_cache's heads Hkv={Hkv}")
     if Lmax < T:
         raise ValueError(f"k_cache must hold at least T={T} positions, got Lmax={Lmax}")
-    _check_lengths_tensor("cache_seqlens", cache_seqlens, B, q.device)
+    check_lengths_tensor("cache_seqlens", cache_seqlens, B, q.device, on=f"{q.device} like q")
     if q_seqlens is not None:
-        _check_lengths_tensor("q_seqlens", q_seqlens, B, q.device)
+        check_lengths_tensor("q_seqlens", q_seqlens, B, q.device, on=f"{q.device} like q")
     return B, T, Hq, D, Lmax, Hkv
 
 
@@ -154,13 +143,24 @@ class RaggedAttentionPlan:
         if max_len < num_queries:
             raise ValueError(f"max_len={max_len} must be >= num_queries={num_queries}")
         B, device = cache_seqlens.shape[0], cache_seqlens.device
-        if cache_seqlens.is_floating_point() or cache_seqlens.is_complex() or cache_seqlens.dtype == torch.bool:
-            raise ValueError(f"cache_seqlens must be an integer tensor, got dtype {cache_seqlens.dtype}")
+        check_lengths_tensor("cache_seqlens", cache_seqlens, B, device, on=str(device))
         if q_seqlens is not None:
-            _check_lengths_tensor("q_seqlens", q_seqlens, B, device, like="cache_seqlens")
+            check_lengths_tensor("q_seqlens", q_seqlens, B, device, on=f"{device} like cache_seqlens")
         # Private copies: the masks are built from these values once, so they must not change.
-        cache_seqlens = cache_seqlens.clone()
-        q_seqlens = None if q_seqlens is None else q_seqlens.clone()
+        self._setup(cache_seqlens.clone(), None if q_seqlens is None else q_seqlens.clone(), num_queries, max_len)
+
+    @classmethod
+    def _for_one_call(cls, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, num_queries: int,
+                      max_len: int) -> RaggedAttentionPlan:
+        """The plan `ragged_attention` makes for itself when given none, from arguments it has
+        already checked: used by that call only, so it needs no private copies."""
+        plan = cls.__new__(cls)
+        plan._setup(cache_seqlens, q_seqlens, num_queries, max_len)
+        return plan
+
+    def _setup(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, num_queries: int,
+               max_len: int) -> None:
+        B = cache_seqlens.shape[0]
         _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len)
         self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
@@ -258,14 +258,14 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     backend = resolve_backend(backend, q.device if isinstance(q, torch.Tensor) else "cpu")
     _, T, _, D, Lmax, _ = _check_ragged_attention_shapes(q, k_cache, v_cache, cache_seqlens, q_seqlens)
-    if plan is None:
-        plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax)
-    else:
+    if plan is not None:
         plan.check_call(cache_seqlens, q_seqlens, T, Lmax)
     if backend == "reference":
         from .reference.attention import ragged_attention as reference
 
         return reference(q, k_cache, v_cache, cache_seqlens, q_seqlens, scale=scale)
+    if plan is None:
+        plan = RaggedAttentionPlan._for_one_call(cache_seqlens, q_seqlens, T, Lmax)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if backend == "torch":
         return _ragged_attention_torch(q, k_cache, v_cache, plan, scale)

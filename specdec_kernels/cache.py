@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._backend import device_check, resolve_backend
+from ._backend import check_lengths_tensor, device_check, resolve_backend
 
 
 def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
@@ -33,12 +33,7 @@ def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.
         raise ValueError(f"{name} must be an int or a [B] integer tensor, got {type(value).__name__}")
     if isinstance(value, int):
         return torch.full((batch,), value, dtype=torch.int64, device=device)
-    if value.shape != (batch,):
-        raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(value.shape)}")
-    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {value.dtype}")
-    if value.device != device:
-        raise ValueError(f"{name} must be on the cache's device {device}, got {value.device}")
+    check_lengths_tensor(name, value, batch, device, on=f"the cache's device {device}")
     return value.to(torch.int64)
 
 
@@ -51,7 +46,6 @@ class AppendPlan:
 
     num_new: int                  # T
     q_seqlens: torch.Tensor | None  # [B] int64, or None for T
-    lengths: torch.Tensor         # [B] int64: the cache lengths when the plan was made
     rows: torch.Tensor            # [B, T] row index of each entry
     positions: torch.Tensor       # [B, T] cache position of each entry
     gather: torch.Tensor | None   # [B, T, Hkv, D] source entry (padding repeats the last real one)
@@ -75,8 +69,8 @@ class KVCache:
             head-major buffers [B, Hkv, max_len, D], so not contiguous; writes through them
             land in the cache.
         lengths: [B] int64 on ``device``: valid positions per row.
-        version: host-side counter, bumped by `advance`, `crop` and `select` (an `AppendPlan`
-            is valid for the version it was made at).
+        version: host-side counter, bumped by `advance`, `crop` and `select`, the only ways to
+            change the lengths (an `AppendPlan` is valid for the version it was made at).
         num_layers, batch_size, max_len, num_kv_heads, head_dim, dtype, device.
     """
 
@@ -141,15 +135,14 @@ class KVCache:
         rows = torch.arange(B, device=self.device)[:, None].expand(B, T)
         if qs is None:
             positions = (self.lengths[:, None] + steps).clamp(max=self.max_len - 1)
-            return AppendPlan(self, self.version, T, None, self.lengths.clone(), rows, positions, None, None)
+            return AppendPlan(self, self.version, T, None, rows, positions, None, None)
         # Padding entries t >= q_seqlens[b] rewrite the row's last real entry with the same value
         # (duplicate indices with identical values keep index_put_ deterministic); a row with
         # q_seqlens = 0 writes its entries back onto themselves.
         source = torch.minimum(steps, (qs[:, None] - 1).clamp(min=0))               # [B, T]
         positions = (self.lengths[:, None] + source).clamp(max=self.max_len - 1)
         gather = source[:, :, None, None].expand(B, T, self.num_kv_heads, self.head_dim)
-        return AppendPlan(self, self.version, T, qs, self.lengths.clone(), rows, positions, gather,
-                          (qs == 0)[:, None, None, None])
+        return AppendPlan(self, self.version, T, qs, rows, positions, gather, (qs == 0)[:, None, None, None])
 
     def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
                q_seqlens: int | torch.Tensor | None = None, *, plan: AppendPlan | None = None,
@@ -202,7 +195,7 @@ class KVCache:
         if backend == "triton":
             from .kernels.cache import append_triton
 
-            append_triton(self.k[layer], self.v[layer], k_new, v_new, plan.lengths, plan.q_seqlens)
+            append_triton(self.k[layer], self.v[layer], k_new, v_new, self.lengths, plan.q_seqlens)
             return
         k_src, v_src = k_new, v_new
         if plan.gather is not None:
