@@ -73,12 +73,13 @@ class LlamaConfig:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [..., in] and ``weight`` [out, in] (``F.linear`` without bias).
 
-    On the CPU it is computed as ``(weight @ x^T)^T``, which MKL runs faster than ``F.linear``'s
-    ``x @ weight^T`` for a few rows (measured over SmolLM2's weights on this project's 2-core CPU
-    machines: 1.1 x at 5 rows, 1.3-1.4 x at 8 and 40, as fast at one). The result is a transposed
-    view (contiguous for one row); the element-wise ops that follow read it in place.
+    On the CPU, for more than one row, it is computed as ``(weight @ x^T)^T``, which MKL runs
+    faster than ``F.linear``'s ``x @ weight^T``: over SmolLM2's weights on this project's 2-core
+    machines 1.04-1.1 x at 5 rows, 1.3-1.4 x at 8 and 1.3 x at 40, but 1.1 x slower at one row,
+    where ``F.linear`` is kept (`benchmarks/test_bench_model.py`). The result is a transposed
+    view; the element-wise ops that follow read it in place.
     """
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or x.numel() == x.shape[-1]:
         return F.linear(x, weight)
     return torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
 

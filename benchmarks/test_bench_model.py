@@ -1,0 +1,81 @@
+"""Where a decode step of the built-in model spends its time, on SmolLM2-135M's shapes.
+
+- ``test_matmuls``: one pass over the weights of every layer plus the LM head (what a forward's
+  matmuls read), for ``rows`` = B * T activation rows, computed weight first (``weight @ x^T``,
+  what `specdec_kernels.model.linear` does on the CPU for more than one row) and as ``F.linear``
+  (``x @ weight^T``, what it does for one row).
+- ``test_decode_step``: one decode step (B = 1, T = 1, 80 tokens cached) of a random-weight model
+  with SmolLM2-135M's config; ``extra_info["aten_ops"]`` counts the ATen ops it dispatches
+  (``torch.profiler``).
+
+Random weights: the shapes, not the values, set the cost, and nothing needs downloading.
+
+    SPECDEC_BENCH_THREADS=2 python -m pytest benchmarks/test_bench_model.py --benchmark-group-by=group
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.timing import bench
+from specdec_kernels import Llama, LlamaConfig
+
+pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
+SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                      rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def smollm2_weights() -> list[torch.Tensor]:
+    """[out, in] weights of every matmul of one SmolLM2-135M forward: fused qkv, o, fused gate/up,
+    down per layer, then the LM head."""
+    c, gen = SMOLLM2, torch.Generator().manual_seed(0)
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    shapes = [(qkv, c.hidden_size), (c.hidden_size, c.num_attention_heads * c.head_dim),
+              (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+    weights = [torch.randn(shape, generator=gen) for _ in range(c.num_hidden_layers) for shape in shapes]
+    return weights + [torch.randn(c.vocab_size, c.hidden_size, generator=gen)]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return smollm2_weights()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 40])
+@pytest.mark.parametrize("impl", ["weight_first", "F.linear"])
+def test_matmuls(benchmark, weights, impl, rows):
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    weight_first = lambda x, w: torch.mm(w, x.t()).t()
+    matmul = weight_first if impl == "weight_first" else F.linear
+    torch.testing.assert_close(weight_first(inputs[576], weights[0]), F.linear(inputs[576], weights[0]))
+
+    def one_pass():
+        for w in weights:
+            matmul(inputs[w.shape[1]], w)
+
+    benchmark.group = f"matmuls rows={rows}"
+    benchmark.extra_info["torch_threads"] = torch.get_num_threads()
+    bench(benchmark, one_pass, rounds=5)
+
+
+@torch.inference_mode()
+def test_decode_step(benchmark):
+    torch.manual_seed(0)
+    model = Llama(SMOLLM2).eval()
+    cache = model.new_cache(1, 160)
+    model(torch.randint(0, SMOLLM2.vocab_size, (1, 80)), cache)
+    token, base = torch.tensor([[7]]), cache.lengths.clone()
+
+    def step():
+        cache.crop(base)
+        model(token, cache, last_only=True)
+
+    step()
+    with torch.profiler.profile() as prof:
+        step()
+    benchmark.extra_info["aten_ops"] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    benchmark.extra_info["torch_threads"] = torch.get_num_threads()
+    bench(benchmark, step, rounds=10)
