@@ -259,6 +259,8 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     backend = resolve_backend(backend, q.device if isinstance(q, torch.Tensor) else "cpu")
     _, T, _, D, Lmax, _ = _check_ragged_attention_shapes(q, k_cache, v_cache, cache_seqlens, q_seqlens)
     if plan is not None:
+        if not isinstance(plan, RaggedAttentionPlan):
+            raise ValueError(f"plan must be a RaggedAttentionPlan or None, got {type(plan).__name__}")
         plan.check_call(cache_seqlens, q_seqlens, T, Lmax)
     if backend == "reference":
         from .reference.attention import ragged_attention as reference

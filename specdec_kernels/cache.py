@@ -184,6 +184,8 @@ class KVCache:
             if k_new.shape[1] > self.max_len:
                 raise ValueError(f"k_new has T={k_new.shape[1]} new tokens, more than max_len={self.max_len}")
             plan = self.plan_append(k_new.shape[1], q_seqlens)
+        elif not isinstance(plan, AppendPlan):
+            raise ValueError(f"plan must be an AppendPlan from plan_append or None, got {type(plan).__name__}")
         elif q_seqlens is not None:
             raise ValueError("pass q_seqlens to plan_append, not to append, when a plan is given")
         elif plan.cache is not self or plan.version != self.version:

@@ -74,9 +74,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [..., in] and ``weight`` [out, in] (``F.linear`` without bias).
 
     On the CPU, for more than one row, it is computed as ``(weight @ x^T)^T``, which MKL runs
-    faster than ``F.linear``'s ``x @ weight^T``: over SmolLM2's weights on this project's 2-core
-    machines 1.04-1.1 x at 5 rows, 1.3-1.4 x at 8 and 1.3 x at 40, but 1.1 x slower at one row,
-    where ``F.linear`` is kept (`benchmarks/test_bench_model.py`). The result is a transposed
+    faster than ``F.linear``'s ``x @ weight^T`` at 8-40 rows: over SmolLM2's weights on this
+    project's 2-core machines 1.26-1.40 x at 8 and 40 rows, a wash at 5, but 1.1 x slower at one
+    row, where ``F.linear`` is kept (`benchmarks/test_bench_model.py`). The result is a transposed
     view; the element-wise ops that follow read it in place.
     """
     if x.device.type != "cpu" or x.numel() == x.shape[-1]:

@@ -255,6 +255,8 @@ def test_plan_checks_lengths_once_and_rejects_another_call():
     with pytest.raises(ValueError, match="q_seqlens must have shape"):
         RaggedAttentionPlan(cache_seqlens, q_seqlens[:2], num_queries=5, max_len=257)
     plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=5, max_len=257)
+    with pytest.raises(ValueError, match="plan must be a RaggedAttentionPlan"):
+        ragged_attention(q, k, v, cache_seqlens, q_seqlens, plan={"cache_seqlens": cache_seqlens})
     expected = ragged_attention(q, k, v, cache_seqlens, q_seqlens)
     cache_seqlens -= 1  # the plan keeps its own copy of the lengths it checked
     assert torch.equal(ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, plan=plan), expected)

@@ -252,6 +252,8 @@ def test_append_plan_errors():
         cache.plan_append(2, torch.tensor([1.0, 2.0]))
     plan = cache.plan_append(2, torch.tensor([2, 1]))
     k_new = torch.zeros(2, 2, 1, 4)
+    with pytest.raises(ValueError, match="plan must be an AppendPlan"):
+        cache.append(0, k_new, k_new, plan="positions")
     with pytest.raises(ValueError, match="pass q_seqlens to plan_append"):
         cache.append(0, k_new, k_new, torch.tensor([2, 1]), plan=plan)
     with pytest.raises(ValueError, match="plan was made for T=2"):
