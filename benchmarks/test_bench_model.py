@@ -2,8 +2,9 @@
 
 - ``test_matmuls``: one pass over the weights of every layer plus the LM head (what a forward's
   matmuls read), for ``rows`` = B * T activation rows, computed weight first (``weight @ x^T``,
-  what `specdec_kernels.model.linear` does on the CPU for more than one row) and as ``F.linear``
-  (``x @ weight^T``, what it does for one row).
+  what `specdec_kernels.model.linear` does on the CPU for 2 to 63 rows) and as ``F.linear``
+  (``x @ weight^T``, what it does for one row and for 64 or more: 102 and 816 rows are the
+  generation benchmark's batch-1 and batch-8 prompts, padded).
 - ``test_decode_step``: one decode step (B = 1, T = 1, 80 tokens cached) of a random-weight model
   with SmolLM2-135M's config; ``extra_info["aten_ops"]`` counts the ATen ops it dispatches
   (``torch.profiler``).
@@ -44,7 +45,7 @@ def weights():
     return smollm2_weights()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 40])
+@pytest.mark.parametrize("rows", [1, 5, 8, 40, 64, 102, 816])
 @pytest.mark.parametrize("impl", ["weight_first", "F.linear"])
 def test_matmuls(benchmark, weights, impl, rows):
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}

@@ -176,9 +176,10 @@ class RaggedAttentionPlan:
                              f"got q with T={T} and a cache with Lmax={Lmax}")
 
     def torch_masks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The CPU path's masks, built on the first call: ``hidden`` [B, T, 1, Lmax] bool (keys a
-        query must not see), ``keep`` [B, Lmax, 1] int32 (-1 on valid keys, 0 beyond the row's
-        length) and ``padding`` [B, T, 1, 1, 1] bool (query rows past q_seqlens; None without)."""
+        """The CPU path's masks, built on the first call: ``hidden`` [B, 1, T, 1, Lmax] bool (keys
+        a query must not see), ``keep`` [B, 1, Lmax, 1] int32 (-1 on valid keys, 0 beyond the
+        row's length) and ``padding`` [B, T, 1, 1, 1] bool (query rows past q_seqlens; None
+        without)."""
         if self._masks is None:
             B, T, device = self.batch_size, self.num_queries, self.cache_seqlens.device
             lengths = self.cache_seqlens.view(B, 1)
@@ -188,8 +189,8 @@ class RaggedAttentionPlan:
             # Query t of row b sees keys 0 .. last[b, t]. Padding rows (t >= n) reach past the
             # row's length (possibly NaN there); they are zeroed at the end.
             last = lengths - n + steps                                              # [B, T]
-            hidden = (keys > last.unsqueeze(2)).unsqueeze(2)                        # [B, T, 1, Lmax]
-            keep = -(keys < lengths).view(torch.int8).to(torch.int32).unsqueeze(2)  # [B, Lmax, 1]
+            hidden = (keys > last.unsqueeze(2)).view(B, 1, T, 1, self.max_len)
+            keep = -(keys < lengths).view(torch.int8).to(torch.int32).view(B, 1, self.max_len, 1)
             padding = None if self.q_seqlens is None else (steps >= n).view(B, T, 1, 1, 1)
             self._masks = hidden, keep, padding
         return self._masks
@@ -202,24 +203,30 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     hidden, keep, padding = plan.torch_masks()
-    # Packed rows r = t * G + g of KV head h: its G query heads times the row's T queries.
-    q_packed = (q.float() * scale).view(B, T, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, T * G, D)
-    k_t = k_cache.float().permute(2, 0, 3, 1)                                   # [Hkv, B, D, Lmax] view
-    if B == 1:  # heads and the single row merge into one batch dimension for free
-        scores = torch.bmm(q_packed[:, 0], k_t[:, 0]).view(Hkv, 1, T * G, Lmax)
-    else:  # one bmm per KV head reads K in place, whatever its layout (one bmm would copy it)
-        scores = q_packed.new_empty(Hkv, B, T * G, Lmax)
-        for q_h, k_h, s_h in zip(q_packed, k_t, scores, strict=True):
-            torch.bmm(q_h, k_h, out=s_h)
+    # Packed rows r = t * G + g of (row b, KV head h): its G query heads times the row's T queries.
+    q_packed = (q.float() * scale).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B * Hkv, T * G, D)
+    k_heads = k_cache.float().transpose(1, 2)                                   # [B, Hkv, Lmax, D] view
+    if B == 1 or k_heads.stride(0) == Hkv * k_heads.stride(1):
+        # Head-major storage (KVCache's): rows and heads merge into one batch dimension, so one
+        # bmm reads K in place.
+        scores = torch.bmm(q_packed, k_heads.reshape(B * Hkv, Lmax, D).transpose(1, 2))
+    else:
+        # Any other layout: one bmm per KV head still reads K in place (a merged bmm would copy K,
+        # and bmm into strided outputs is slow on CPU, hence the heads-first buffer).
+        q_heads = q_packed.view(B, Hkv, T * G, D)
+        heads_first = q_packed.new_empty(Hkv, B, T * G, Lmax)
+        for h, s_h in enumerate(heads_first):
+            torch.bmm(q_heads[:, h], k_heads[:, h].transpose(1, 2), out=s_h)
+        scores = heads_first.transpose(0, 1)
     # Hidden keys get -inf; this also replaces the NaN scores of NaN keys beyond a row's length.
-    probs = scores.view(Hkv, B, T, G, Lmax).masked_fill_(hidden, float("-inf")).softmax(-1)
+    probs = scores.view(B, Hkv, T, G, Lmax).masked_fill_(hidden, float("-inf")).softmax(-1)
     # A NaN value beyond a row's length times its zero weight would still be NaN in P @ V, so V
     # is copied (heads first, for one bmm) with those entries zeroed: a bitwise AND with keep =
     # -1 or 0 is exact for every valid value (torch.where took up to 10x longer on CPU).
-    v_kept = torch.empty(Hkv, B, Lmax, D, dtype=torch.int32, device=q.device)
-    torch.bitwise_and(v_cache.float().view(torch.int32).permute(2, 0, 1, 3), keep, out=v_kept)
-    out = torch.bmm(probs.view(Hkv * B, T * G, Lmax), v_kept.view(torch.float32).view(Hkv * B, Lmax, D))
-    out = out.view(Hkv, B, T, G, D).permute(1, 2, 0, 3, 4)                    # [B, T, Hkv, G, D]
+    v_kept = torch.empty(B, Hkv, Lmax, D, dtype=torch.int32, device=q.device)
+    torch.bitwise_and(v_cache.float().view(torch.int32).transpose(1, 2), keep, out=v_kept)
+    out = torch.bmm(probs.reshape(B * Hkv, T * G, Lmax), v_kept.view(torch.float32).view(B * Hkv, Lmax, D))
+    out = out.view(B, Hkv, T, G, D).transpose(1, 2)                            # [B, T, Hkv, G, D]
     if padding is not None:
         out = out.masked_fill(padding, 0.0)
     return out.reshape(B, T, Hq, D).to(q.dtype)

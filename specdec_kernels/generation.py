@@ -175,24 +175,33 @@ class _PhaseTimer:
 
 
 @functools.lru_cache(maxsize=64)
-def _supports_last_only_type(forward) -> bool:
+def _keywords(forward) -> frozenset[str]:
     try:
-        return "last_only" in inspect.signature(forward).parameters
+        return frozenset(inspect.signature(forward).parameters)
     except (TypeError, ValueError):
-        return False
+        return frozenset()
 
 
-def _supports_last_only(model) -> bool:
-    """Whether ``model`` can return only each row's last logits (saves the full [B, T, V] head)."""
+def _accepts(model, keyword: str) -> bool:
+    """Whether ``model``'s forward takes the optional protocol extension ``keyword``:
+    ``last_only`` (return only each row's last logits, saving the full [B, T, V] head) or
+    ``num_tokens`` (the host-known ``q_seqlens.sum()``, letting the model skip padding)."""
     forward = getattr(type(model), "forward", None)
-    return forward is not None and _supports_last_only_type(forward)
+    return forward is not None and keyword in _keywords(forward)
 
 
-def _last_logits(model, input_ids, cache, q_seqlens=None) -> torch.Tensor:
+def _forward(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, **kwargs) -> torch.Tensor:
+    """``model(input_ids, cache, q_seqlens)``, telling it ``num_tokens`` where it listens."""
+    if num_tokens is not None and q_seqlens is not None and _accepts(model, "num_tokens"):
+        kwargs["num_tokens"] = num_tokens
+    return model(input_ids, cache, q_seqlens, **kwargs)
+
+
+def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None) -> torch.Tensor:
     """[B, V] logits at each row's last real input position (``q_seqlens`` None: position T-1)."""
-    if _supports_last_only(model):
-        return model(input_ids, cache, q_seqlens, last_only=True)[:, -1]
-    logits = model(input_ids, cache, q_seqlens)
+    if _accepts(model, "last_only"):
+        return _forward(model, input_ids, cache, q_seqlens, num_tokens, last_only=True)[:, -1]
+    logits = _forward(model, input_ids, cache, q_seqlens, num_tokens)
     if q_seqlens is None:
         return logits[:, -1]
     index = (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
@@ -205,6 +214,7 @@ class _Request:
 
     prompt: torch.Tensor  # [B, P] real tokens first (right-padded with 0)
     prompt_lengths: torch.Tensor  # [B]
+    prompt_tokens: int  # prompt_lengths.sum(), read on the host before the loop
     max_new_tokens: int
     max_len: int
     eos: torch.Tensor  # [E] int64 (may be empty)
@@ -276,7 +286,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     if seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
-    return _Request(prompt, lengths, max_new_tokens, max_cache_len, eos,
+    return _Request(prompt, lengths, int(lengths.sum()), max_new_tokens, max_cache_len, eos,
                     lambda logits: sample_logits(logits, **sampling, generator=generator), sampling, generator)
 
 
@@ -324,14 +334,17 @@ def _new_stats(batch_size: int, device) -> GenerationStats:
     return GenerationStats(zeros(), zeros(), zeros(), zeros())
 
 
-def _rows_still_running(done: torch.Tensor, num_drafts: torch.Tensor | None = None) -> tuple[list[int], int]:
+def _rows_still_running(done: torch.Tensor, num_drafts: torch.Tensor | None = None) -> tuple[list[int], int, int]:
     """The loop's one host synchronization per step: which batch positions are still running,
-    and (read in the same transfer) the most drafts any row proposes next (0 without drafts)."""
-    flags = done.long() if num_drafts is None else torch.cat(
-        [done.long(), num_drafts.masked_fill(done, 0).amax(0, keepdim=True)])
-    values = flags.tolist()
-    widest = values.pop() if num_drafts is not None else 0
-    return [i for i, d in enumerate(values) if not d], widest
+    and (read in the same transfer) the most drafts any of them proposes next and their total
+    (0 and 0 without drafts)."""
+    if num_drafts is None:
+        return [i for i, d in enumerate(done.tolist()) if not d], 0, 0
+    proposed = num_drafts.masked_fill(done, 0)
+    values = torch.cat([done.long(), proposed.amax(0, keepdim=True), proposed.sum(0, keepdim=True)]).tolist()
+    total = values.pop()
+    widest = values.pop()
+    return [i for i, d in enumerate(values) if not d], widest, total
 
 
 # --------------------------------------------------------------------------- plain generation
@@ -366,13 +379,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     rows = torch.arange(B, device=device)  # input row of each batch position
     cache = model.new_cache(B, request.max_len)
     with timer("prefill"):
-        logits = _last_logits(model, request.prompt, cache, request.prompt_lengths)
+        logits = _last_logits(model, request.prompt, cache, request.prompt_lengths, request.prompt_tokens)
     stats.target_forwards += 1
     while True:
         with timer("sampler"):
             token = request.sample(logits)
         _, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
-        running, _ = _rows_still_running(done)
+        running, _, _ = _rows_still_running(done)
         if not running:
             break
         if len(running) < len(rows):
@@ -432,7 +445,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
 
     target_cache = target.new_cache(B, request.max_len)
     with timer("prefill"):
-        logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths)
+        logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths, request.prompt_tokens)
     stats.target_forwards += 1
     if lookup:  # token history: prompt, then everything emitted
         context = torch.zeros(B, request.prompt.shape[1] + max_new_tokens + K + 1, dtype=torch.int64, device=device)
@@ -441,7 +454,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     else:
         draft_cache = draft.new_cache(B, request.max_len)
         with timer("prefill"):
-            draft_prefill = _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths)
+            draft_prefill = _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths,
+                                         request.prompt_tokens)
         stats.draft_forwards += 1
         if (draft_prefill.dtype, draft_prefill.device) != (logits.dtype, logits.device):
             raise ValueError(f"draft must produce logits like the target's ({logits.dtype} on {logits.device}), "
@@ -464,7 +478,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     while True:
         # Prompt lookup proposes before the check, so that the verify width (1 + the most
         # drafts any row has) is known on the host without a second synchronization.
-        running, widest = _rows_still_running(done, num_drafts)
+        running, widest, total_drafts = _rows_still_running(done, num_drafts)
         if not running:
             break
         if len(running) < len(rows):
@@ -499,8 +513,11 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             target_start = target_cache.lengths.clone()
             # Every row verifies 1 + K tokens unless prompt lookup left some rows with fewer.
             ragged = lookup and widest > 0
-            target_logits = target(torch.cat([last[:, None], draft_ids], 1), target_cache,
-                                   num_drafts + 1 if ragged else None)
+            verify_ids = torch.cat([last[:, None], draft_ids], 1)
+            if ragged:  # b + total_drafts real tokens, known on the host: the model may skip padding
+                target_logits = _forward(target, verify_ids, target_cache, num_drafts + 1, b + total_drafts)
+            else:
+                target_logits = target(verify_ids, target_cache)
         stats.target_forwards += 1
 
         # 3. Accept a prefix, emit one corrected or bonus token.

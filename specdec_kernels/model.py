@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._backend import device_check
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
 
@@ -73,15 +74,16 @@ class LlamaConfig:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [..., in] and ``weight`` [out, in] (``F.linear`` without bias).
 
-    On the CPU, for more than one row, it is computed as ``(weight @ x^T)^T``, which MKL runs
-    faster than ``F.linear``'s ``x @ weight^T`` at 8-40 rows: over SmolLM2's weights on this
-    project's 2-core machines 1.26-1.40 x at 8 and 40 rows, a wash at 5, but 1.1 x slower at one
-    row, where ``F.linear`` is kept (`benchmarks/test_bench_model.py`). The result is a transposed
-    view; the element-wise ops that follow read it in place.
+    On the CPU, for 2 to 63 rows, it is computed as ``(weight @ x^T)^T``, which MKL runs faster
+    than ``F.linear``'s ``x @ weight^T`` there: over SmolLM2's weights on this project's 2-core
+    machines 1.26-1.40 x at 8 and 40 rows, but 1.1 x slower at one row and 0.8-1.1 x from 64
+    rows up (`benchmarks/test_bench_model.py`), where ``F.linear`` is kept. The result is then
+    a transposed view; the element-wise ops that follow read it in place.
     """
-    if x.device.type != "cpu" or x.numel() == x.shape[-1]:
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or not 2 <= rows < 64:
         return F.linear(x, weight)
-    return torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
+    return torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:
@@ -124,13 +126,18 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
 
 @dataclass(eq=False)
 class _Step:
-    """What one forward pass computes once for all its layers: the rotary tables and the plans
-    of the cache writes and of the attention (masks, length checks)."""
+    """What one forward pass computes once for all its layers: the rotary tables, the plans of
+    the cache writes and of the attention (masks, length checks), and which tokens are real."""
 
+    batch_size: int
+    num_queries: int
     cos: torch.Tensor          # [B, T, 1, D] float32: cos of the angles, both halves
     sin: torch.Tensor          # [B, T, 1, D] float32: sin, first half negated (rotate-half sign)
     append: AppendPlan
     attention: RaggedAttentionPlan
+    # [N] indices b * T + t of the real tokens when the per-token layers run on those only
+    # (packed), None when they run on all B * T positions.
+    packed: torch.Tensor | None = None
 
     def rope(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [B, T, H, D] (half-split layout, as Hugging Face) in three ops:
@@ -138,6 +145,17 @@ class _Step:
         x32 = _float32(x)
         rotated = torch.roll(x32, x.shape[-1] // 2, dims=-1)
         return torch.addcmul(x32 * self.cos, rotated, self.sin).to(x.dtype)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token values ([N, C] packed, or [B, T, C]) as [B, T, C], zeros at padding."""
+        if self.packed is None:
+            return x
+        B, T = self.batch_size, self.num_queries
+        return x.new_zeros(B * T, x.shape[-1]).index_copy_(0, self.packed, x).view(B, T, -1)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, C] as the per-token layers take it: [N, C] real tokens when packed."""
+        return x if self.packed is None else x.reshape(-1, x.shape[-1]).index_select(0, self.packed)
 
 
 class Attention(nn.Module):
@@ -150,15 +168,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, step: _Step) -> torch.Tensor:
-        B, T, _ = x.shape
+        B, T = step.batch_size, step.num_queries
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = linear(x, self.wqkv.weight).view(B, T, H + 2 * Hkv, D)
+        qkv = step.unpack(linear(x, self.wqkv.weight)).view(B, T, H + 2 * Hkv, D)
         qk = step.rope(qkv[:, :, : H + Hkv])          # q and k rotated together
         cache.append(layer, qk[:, :, H:], qkv[:, :, H + Hkv:], plan=step.append)
         plan = step.attention
         out = ragged_attention(qk[:, :, :H], cache.k[layer], cache.v[layer], plan.cache_seqlens,
                                plan.q_seqlens, plan=plan)
-        return linear(out.reshape(B, T, H * D), self.wo.weight)
+        return linear(step.pack(out.reshape(B, T, H * D)), self.wo.weight)
 
 
 class FeedForward(nn.Module):
@@ -222,7 +240,7 @@ class Llama(nn.Module):
                        self.config.head_dim, dtype=dtype or weight.dtype, device=device or weight.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, num_tokens: int | None = None) -> torch.Tensor:
         """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
 
         Args:
@@ -231,6 +249,9 @@ class Llama(nn.Module):
                 ``q_seqlens``.
             q_seqlens: [B] int64 real new tokens per row (1..T); None means T for every row.
             last_only: return only the logits of each row's last real token, [B, 1, V].
+            num_tokens: ``q_seqlens.sum()``, when the caller knows it on the host. The per-token
+                layers (projections, MLP, norms, LM head) then skip the padding; without it they
+                run on all B * T positions (finding the real ones would need a host sync).
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
@@ -247,14 +268,40 @@ class Llama(nn.Module):
         q_seqlens = append.q_seqlens
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
         attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=cache.max_len)
-        step = _Step(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention)
-        x = self.tok_embeddings(input_ids)
+        packed = self._real_tokens(q_seqlens, num_tokens, B, T)
+        step = _Step(B, T, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
+        x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i, step)
         cache.advance(T if q_seqlens is None else q_seqlens)
-        if last_only:
-            x = x[:, -1:] if q_seqlens is None else x.gather(1, (q_seqlens - 1).view(B, 1, 1).expand(B, 1, x.shape[-1]))
-        return linear(self.norm(x), self.output.weight).contiguous()  # [B, T, V] rows, vocab contiguous
+        if last_only:  # each row's last real token
+            if q_seqlens is None:
+                x = x[:, -1:]
+            elif packed is not None:
+                x = x[q_seqlens.cumsum(0) - 1].view(B, 1, -1)
+            else:
+                x = x.gather(1, (q_seqlens - 1).view(B, 1, 1).expand(B, 1, x.shape[-1]))
+            return linear(self.norm(x), self.output.weight).contiguous()
+        logits = step.unpack(linear(self.norm(x), self.output.weight))
+        return logits.contiguous()  # [B, T, V] rows, vocab contiguous
+
+    @staticmethod
+    def _real_tokens(q_seqlens: torch.Tensor | None, num_tokens: int | None, B: int, T: int) -> torch.Tensor | None:
+        """[N] indices b * T + t of the real tokens, or None to run on all B * T positions."""
+        if num_tokens is None:
+            return None
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 1 <= num_tokens <= B * T:
+            raise ValueError(f"num_tokens must be an int in [1, B * T = {B * T}], got {num_tokens!r}")
+        if q_seqlens is None:
+            if num_tokens != B * T:
+                raise ValueError(f"num_tokens={num_tokens} must be B * T = {B * T} when q_seqlens is None")
+            return None
+        device_check(q_seqlens.sum() == num_tokens, f"num_tokens={num_tokens} must equal q_seqlens.sum()")
+        if num_tokens == B * T:
+            return None
+        rows = torch.repeat_interleave(torch.arange(B, device=q_seqlens.device), q_seqlens, output_size=num_tokens)
+        starts = q_seqlens.cumsum(0) - q_seqlens
+        return rows * T + torch.arange(num_tokens, device=q_seqlens.device) - starts[rows]
 
     def truncated(self, num_layers: int) -> Llama:
         """A draft made of this model's first ``num_layers`` layers plus its final norm and head

@@ -73,6 +73,42 @@ def test_last_only_and_verification_shapes():
         torch.testing.assert_close(last[b, 0], full[b, q[b] - 1])
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_num_tokens_skips_padding_with_the_same_results(kv_heads):
+    """Told ``num_tokens`` = q_seqlens.sum(), the per-token layers run on the real tokens only;
+    logits at real positions, last-token logits and the cache written for later steps agree."""
+    model = tiny_llama(seed=6, kv_heads=kv_heads)
+    ids = torch.randint(0, 97, (4, 9), generator=torch.Generator().manual_seed(6))
+    q = torch.tensor([9, 1, 4, 6])
+    real = torch.arange(9) < q[:, None]
+    caches = [model.new_cache(4, 24) for _ in range(4)]
+    with torch.no_grad():
+        full = model(ids, caches[0], q)
+        packed = model(ids, caches[1], q, num_tokens=20)
+        last = model(ids, caches[2], q, last_only=True, num_tokens=20)
+        model(ids, caches[3], q, last_only=True)
+        assert packed.shape == full.shape and last.shape == (4, 1, 97)
+        assert_close(packed[real], full[real], dtype=torch.float32)
+        assert_close(last[:, 0], full[torch.arange(4), q - 1], dtype=torch.float32)
+        step = torch.randint(0, 97, (4, 3))
+        reference = model(step, caches[0])
+        for cache in caches[1:]:
+            assert cache.lengths.tolist() == q.tolist()
+            assert_close(model(step, cache), reference, dtype=torch.float32)
+
+
+def test_num_tokens_errors():
+    model = tiny_llama()
+    ids, q = torch.zeros(2, 3, dtype=torch.int64), torch.tensor([3, 1])
+    for bad in (0, 7, 2.0, True):
+        with pytest.raises(ValueError, match="num_tokens"):
+            model(ids, model.new_cache(2, 8), q, num_tokens=bad)
+    with pytest.raises(ValueError, match="num_tokens=5 must equal q_seqlens.sum"):
+        model(ids, model.new_cache(2, 8), q, num_tokens=5)
+    with pytest.raises(ValueError, match="num_tokens=4 must be B \\* T = 6 when q_seqlens is None"):
+        model(ids, model.new_cache(2, 8), num_tokens=4)
+
+
 def test_save_and_load_round_trip_through_transformers(tmp_path):
     model = tiny_llama(seed=3, tie_word_embeddings=True)
     model.save_pretrained(tmp_path)
