@@ -2,7 +2,9 @@
 
 SmolLM2-135M attention shapes (Hq = 9, Hkv = 3, D = 64), decode (T = 1) and verification
 (T = 5), batch 1 and 8, ragged cache lengths around 512 and 4096 (each row's length drawn from
-L - 32 .. L + 31, cache capacity L + 64). The baseline gets everything prebuilt: the boolean mask
+L - 32 .. L + 31, cache capacity L + 64), caches stored token-major ([B, Lmax, Hkv, D]
+contiguous) or head-major ([B, Hkv, Lmax, D], as `KVCache` keeps them, passed as
+[B, Lmax, Hkv, D] views). The baseline gets everything prebuilt: the boolean mask
 [B, 1, T, Lmax] and [B, H, L, D] views; our time includes building our own mask. Each shape is one
 pytest-benchmark group, so the table shows the two side by side; the ratio is ours / SDPA.
 
@@ -31,12 +33,14 @@ pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
 SHAPES = [pytest.param(B, T, L, id=f"B{B}-T{T}-L{L}") for L in (512, 4096) for B in (1, 8) for T in (1, 5)]
 
 
-def make_case(B, T, L, device="cpu", dtype=torch.float32):
+def make_case(B, T, L, device="cpu", dtype=torch.float32, layout="token_major"):
     gen = torch.Generator().manual_seed(0)
     Lmax = L + 64
     q = torch.randn(B, T, HQ, D, generator=gen).to(device, dtype)
     k = torch.randn(B, Lmax, HKV, D, generator=gen).to(device, dtype)
     v = torch.randn(B, Lmax, HKV, D, generator=gen).to(device, dtype)
+    if layout == "head_major":
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
     cache_seqlens = torch.randint(L - 32, L + 32, (B,), generator=gen).to(device)
     q_seqlens = torch.full((B,), T, device=device)
     positions = cache_seqlens[:, None] - T + torch.arange(T, device=device)            # [B, T]
@@ -50,13 +54,14 @@ def sdpa_baseline(q, k, v, mask):
                                           attn_mask=mask, enable_gqa=True).transpose(1, 2)
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("B,T,L", SHAPES)
 @pytest.mark.parametrize("impl", ["ragged_attention", "ragged_attention_planned", "sdpa"])
-def test_cpu(benchmark, impl, B, T, L):
+def test_cpu(benchmark, impl, B, T, L, layout):
     """``ragged_attention`` builds its plan (value checks, masks) inside the timed call;
     ``ragged_attention_planned`` reuses a prebuilt `RaggedAttentionPlan`, as the layers of one
     forward pass do (the model builds one plan per forward and shares it by all its layers)."""
-    q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L)
+    q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L, layout=layout)
     plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=k.shape[1])
     plan.torch_masks()
     calls = {
@@ -66,7 +71,7 @@ def test_cpu(benchmark, impl, B, T, L):
         "sdpa": lambda: sdpa_baseline(q, k, v, mask),
     }
     torch.testing.assert_close(calls[impl](), sdpa_baseline(q, k, v, mask), rtol=1e-4, atol=1e-4)
-    benchmark.group = f"cpu B{B}-T{T}-L{L}"
+    benchmark.group = f"cpu B{B}-T{T}-L{L} {layout}"
     benchmark.extra_info["torch_threads"] = torch.get_num_threads()
     bench(benchmark, calls[impl])
 

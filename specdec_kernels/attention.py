@@ -177,7 +177,7 @@ class RaggedAttentionPlan:
 
     def torch_masks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The CPU path's masks, built on the first call: ``hidden`` [B, 1, T, 1, Lmax] bool (keys
-        a query must not see), ``keep`` [B, 1, Lmax, 1] int32 (-1 on valid keys, 0 beyond the
+        a query must not see), ``keep`` [B, Lmax, 1, 1] int32 (-1 on valid keys, 0 beyond the
         row's length) and ``padding`` [B, T, 1, 1, 1] bool (query rows past q_seqlens; None
         without)."""
         if self._masks is None:
@@ -190,10 +190,26 @@ class RaggedAttentionPlan:
             # row's length (possibly NaN there); they are zeroed at the end.
             last = lengths - n + steps                                              # [B, T]
             hidden = (keys > last.unsqueeze(2)).view(B, 1, T, 1, self.max_len)
-            keep = -(keys < lengths).view(torch.int8).to(torch.int32).view(B, 1, self.max_len, 1)
+            keep = -(keys < lengths).view(torch.int8).to(torch.int32).view(B, self.max_len, 1, 1)
             padding = None if self.q_seqlens is None else (steps >= n).view(B, T, 1, 1, 1)
             self._masks = hidden, keep, padding
         return self._masks
+
+
+def _bmm_per_kv_head(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for ``a`` [B, Hkv, M, K] and ``b`` [B, Hkv, K, N] (a view of a KV cache), read in
+    place: one bmm when rows and heads merge into one batch dimension (head-major storage, as
+    `KVCache` keeps it), else one bmm per head (merging would copy ``b``; torch's CPU bmm over a
+    batch that does not merge falls back to a per-row loop). Returns [B, Hkv, M, N]."""
+    B, H, M, K = a.shape
+    N = b.shape[-1]
+    if B == 1 or b.stride(0) == H * b.stride(1):
+        return torch.bmm(a.reshape(B * H, M, K), b.reshape(B * H, K, N)).view(B, H, M, N)
+    a_heads = a.transpose(0, 1).contiguous()
+    out = a.new_empty(H, B, M, N)
+    for h in range(H):
+        torch.bmm(a_heads[h], b[:, h], out=out[h])
+    return out.transpose(0, 1)
 
 
 def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -204,29 +220,18 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     G = Hq // Hkv
     hidden, keep, padding = plan.torch_masks()
     # Packed rows r = t * G + g of (row b, KV head h): its G query heads times the row's T queries.
-    q_packed = (q.float() * scale).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B * Hkv, T * G, D)
-    k_heads = k_cache.float().transpose(1, 2)                                   # [B, Hkv, Lmax, D] view
-    if B == 1 or k_heads.stride(0) == Hkv * k_heads.stride(1):
-        # Head-major storage (KVCache's): rows and heads merge into one batch dimension, so one
-        # bmm reads K in place.
-        scores = torch.bmm(q_packed, k_heads.reshape(B * Hkv, Lmax, D).transpose(1, 2))
-    else:
-        # Any other layout: one bmm per KV head still reads K in place (a merged bmm would copy K,
-        # and bmm into strided outputs is slow on CPU, hence the heads-first buffer).
-        q_heads = q_packed.view(B, Hkv, T * G, D)
-        heads_first = q_packed.new_empty(Hkv, B, T * G, Lmax)
-        for h, s_h in enumerate(heads_first):
-            torch.bmm(q_heads[:, h], k_heads[:, h].transpose(1, 2), out=s_h)
-        scores = heads_first.transpose(0, 1)
+    q_packed = (q.float() * scale).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
+    scores = _bmm_per_kv_head(q_packed, k_cache.float().permute(0, 2, 3, 1))     # [B, Hkv, T*G, Lmax]
     # Hidden keys get -inf; this also replaces the NaN scores of NaN keys beyond a row's length.
     probs = scores.view(B, Hkv, T, G, Lmax).masked_fill_(hidden, float("-inf")).softmax(-1)
     # A NaN value beyond a row's length times its zero weight would still be NaN in P @ V, so V
-    # is copied (heads first, for one bmm) with those entries zeroed: a bitwise AND with keep =
-    # -1 or 0 is exact for every valid value (torch.where took up to 10x longer on CPU).
-    v_kept = torch.empty(B, Hkv, Lmax, D, dtype=torch.int32, device=q.device)
-    torch.bitwise_and(v_cache.float().view(torch.int32).transpose(1, 2), keep, out=v_kept)
-    out = torch.bmm(probs.reshape(B * Hkv, T * G, Lmax), v_kept.view(torch.float32).view(B * Hkv, Lmax, D))
-    out = out.view(B, Hkv, T, G, D).transpose(1, 2)                            # [B, T, Hkv, G, D]
+    # is copied (in its own layout, the fastest order to write) with those entries zeroed: a
+    # bitwise AND with keep = -1 or 0 is exact for every valid value (torch.where took up to 10x
+    # longer on CPU).
+    v_bits = v_cache.float().view(torch.int32)
+    v_kept = torch.bitwise_and(v_bits, keep, out=torch.empty_like(v_bits)).view(torch.float32)
+    out = _bmm_per_kv_head(probs.view(B, Hkv, T * G, Lmax), v_kept.transpose(1, 2))
+    out = out.reshape(B, Hkv, T, G, D).transpose(1, 2)                         # [B, T, Hkv, G, D]
     if padding is not None:
         out = out.masked_fill(padding, 0.0)
     return out.reshape(B, T, Hq, D).to(q.dtype)

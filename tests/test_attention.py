@@ -87,6 +87,17 @@ def test_matches_reference(backend, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtyp
             assert torch.equal(out[b, q_lens[b]:], torch.zeros_like(out[b, q_lens[b]:]))
 
 
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", CASES[:5] + CASES[7:8])
+def test_head_major_cache_layout(backend, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+    """Caches stored [B, Hkv, Lmax, D] (as `KVCache` keeps them) and passed as [B, Lmax, Hkv, D]
+    views take the CPU path's merged-batch bmm; NaN beyond each row's length still never leaks."""
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    k_hm, v_hm = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    out = ragged_attention(q, k_hm, v_hm, cache_seqlens, q_seqlens, backend=backend)
+    assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
+    assert not out.isnan().any()
+
+
 @pytest.mark.parametrize("split", ["nosplit", "split"])
 @pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", CASES[1:6] + CASES[7:9])
 def test_triton_forced_paths(split, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
