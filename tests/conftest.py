@@ -1,26 +1,26 @@
 """Test configuration shared by every test module.
 
-- Without CUDA, Triton kernels run under the interpreter: ``TRITON_INTERPRET=1`` is
-  set here, before anything imports triton, and restored when the session ends.
-- Tests that take a ``backend`` fixture run once per backend; tests that take
-  ``device`` run once per available device (CPU, and CUDA when present).
+- Triton kernels run under the interpreter on CPU tensors: ``TRITON_INTERPRET=1`` is set
+  here, before anything imports triton, and restored when the session ends. This holds on CUDA
+  machines too, so the suite checks the same things everywhere.
+- ``SPECDEC_CUDA_TESTS=1`` runs instead only the tests marked ``cuda`` (`tests/test_cuda.py`:
+  the compiled kernels on CUDA tensors against the reference), with the interpreter off.
+- Tests that take a ``backend`` fixture run once per backend.
 - ``torch.empty`` is NaN-poisoned in every test (see `specdec_kernels.testing.poison_empty`).
 """
 
 import os
 
 import pytest
-import torch
 
 _saved_interpret = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
+CUDA_TESTS = os.environ.get("SPECDEC_CUDA_TESTS", "0") == "1"
+if not CUDA_TESTS:
     assert "triton" not in __import__("sys").modules, "triton was imported before TRITON_INTERPRET was set"
     os.environ["TRITON_INTERPRET"] = "1"
 
 from specdec_kernels import BACKENDS, triton_available  # noqa: E402
 from specdec_kernels.testing import poison_empty  # noqa: E402
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def pytest_unconfigure(config):
@@ -30,12 +30,20 @@ def pytest_unconfigure(config):
         os.environ["TRITON_INTERPRET"] = _saved_interpret
 
 
+def pytest_collection_modifyitems(config, items):
+    if CUDA_TESTS:
+        skip = pytest.mark.skip(reason="SPECDEC_CUDA_TESTS=1 runs only the tests marked cuda")
+    else:
+        skip = pytest.mark.skip(reason="compiled kernels on CUDA tensors: run with SPECDEC_CUDA_TESTS=1 on a GPU")
+    for item in items:
+        if (item.get_closest_marker("cuda") is not None) != CUDA_TESTS:
+            item.add_marker(skip)
+
+
 def pytest_generate_tests(metafunc):
     if "backend" in metafunc.fixturenames:
         backends = [b for b in BACKENDS if b != "triton" or triton_available()]
         metafunc.parametrize("backend", backends)
-    if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", DEVICES)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,118 @@
+"""The compiled Triton kernels on CUDA tensors against the reference on the CPU.
+
+The rest of the suite runs the kernels under the Triton interpreter on CPU tensors, on every
+machine. These tests run instead when ``SPECDEC_CUDA_TESTS=1`` (interpreter off, see
+``conftest.py``) on a machine with CUDA; ``.ci/run`` does that when torch sees a GPU::
+
+    SPECDEC_CUDA_TESTS=1 python -m pytest tests/test_cuda.py
+"""
+
+import pytest
+import torch
+from specdec_kernels.kernels.attention import ragged_attention_triton
+from test_attention import CASES as ATTENTION_CASES
+from test_attention import make_inputs, reference_fp32
+from test_sampling import CASES as SAMPLER_CASES
+from test_sampling import make_case, noise_for
+
+from specdec_kernels import (
+    KVCache,
+    first_rejection_index,
+    ragged_attention,
+    rejection_sample,
+    rejection_sample_logits,
+)
+from specdec_kernels.sampling import make_rejection_noise
+from specdec_kernels.testing import SyncCounter, assert_close
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def cuda(*tensors):
+    return [None if t is None else t.cuda() for t in tensors]
+
+
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", ATTENTION_CASES)
+@pytest.mark.parametrize("split", ["auto", "nosplit", "split"])
+def test_attention_matches_reference(split, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    args = cuda(q, k, v, cache_seqlens, q_seqlens)
+    if split == "auto":
+        out = ragged_attention(*args, backend="triton")
+    else:  # one program per row, or many splits merged by log-sum-exp
+        kwargs = dict(max_splits=1) if split == "nosplit" else dict(max_splits=16, min_chunk=16)
+        out = ragged_attention_triton(*args, D ** -0.5, **kwargs)
+    assert out.is_cuda and out.dtype == dtype
+    assert_close(out.cpu(), reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
+
+
+def test_attention_and_cache_append_are_sync_free():
+    B, T, Hkv, D = 3, 5, 2, 64
+    cache = KVCache(1, B, 64, Hkv, D, dtype=torch.float16, device="cuda")
+    cache.advance(torch.tensor([3, 10, 0], device="cuda"))
+    k_new, v_new, q = (torch.randn(B, T, h, D, device="cuda", dtype=torch.float16) for h in (Hkv, Hkv, 3 * Hkv))
+    q_seqlens = torch.tensor([5, 1, 3], device="cuda")
+    with SyncCounter() as syncs:
+        cache.append(0, k_new, v_new, q_seqlens)
+        ragged_attention(q, cache.k[0], cache.v[0], cache.lengths + q_seqlens, q_seqlens)
+    assert syncs.count == 0, syncs.events
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cache_append_matches_torch_path(dtype):
+    B, T, Hkv, D, L = 4, 5, 3, 80, 40
+    lengths = torch.tensor([0, 7, 35, 20])
+    q_seqlens = torch.tensor([5, 1, 5, 0])
+    k_new, v_new = (torch.randn(B, T, Hkv, D).to(dtype) for _ in range(2))
+    caches = {}
+    for device, backend in (("cpu", "torch"), ("cuda", "triton")):
+        cache = KVCache(2, B, L, Hkv, D, dtype=dtype, device=device)
+        cache.k[1].zero_()
+        cache.v[1].zero_()
+        cache.advance(lengths.to(device))
+        cache.append(1, k_new.to(device), v_new.to(device), q_seqlens.to(device), backend=backend)
+        caches[device] = cache
+    assert torch.equal(caches["cuda"].k[1].cpu(), caches["cpu"].k[1])
+    assert torch.equal(caches["cuda"].v[1].cpu(), caches["cpu"].v[1])
+
+
+@pytest.mark.parametrize("B,K,V,dtype,draft,ragged,greedy", SAMPLER_CASES)
+def test_rejection_sample_matches_reference(B, K, V, dtype, draft, ragged, greedy):
+    p, q, ids, n, g, noise = make_case(B, K, V, dtype, draft=draft, ragged=ragged, greedy=greedy)
+    noise = noise_for("triton", noise)
+    expected = rejection_sample(p, q, ids, n, greedy=g, noise=noise, backend="reference")
+    g_cuda = g.cuda() if isinstance(g, torch.Tensor) else g
+    actual = rejection_sample(*cuda(p, q, ids, n), greedy=g_cuda, noise=type(noise)(*cuda(*noise)),
+                              backend="triton")
+    assert torch.equal(actual.num_accepted.cpu(), expected.num_accepted)
+    assert torch.equal(actual.token_ids.cpu(), expected.token_ids)
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 7}, {"top_p": 0.8}, {"top_k": 40, "top_p": 0.9}],
+                         ids=["none", "topk", "topp", "topk-topp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rejection_sample_logits_matches_reference(dtype, filters):
+    B, K, V = 6, 4, 333
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(B, K + 1, V, generator=gen) * 2
+    target = (base + 0.5 * torch.randn(B, K + 1, V, generator=gen)).to(dtype)
+    draft = (base[:, :K] + 0.5 * torch.randn(B, K, V, generator=gen)).to(dtype)
+    ids = torch.randint(0, V, (B, K), generator=gen)
+    n = torch.tensor([0, 4, 2, 4, 1, 3])
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0, 0.5])
+    noise = make_rejection_noise(B, K, V, generator=torch.Generator().manual_seed(4))
+    kwargs = dict(**filters, noise=noise)
+    expected = rejection_sample_logits(target, draft, ids, n, temperature=temperature, backend="reference", **kwargs)
+    kwargs["noise"] = type(noise)(*cuda(*noise))
+    actual = rejection_sample_logits(*cuda(target, draft, ids, n), temperature=temperature.cuda(),
+                                     backend="triton", **kwargs)
+    assert torch.equal(actual.num_accepted.cpu(), expected.num_accepted)
+    assert torch.equal(actual.token_ids.cpu(), expected.token_ids)
+
+
+def test_first_rejection_index_matches_reference():
+    gen = torch.Generator().manual_seed(5)
+    accepted = torch.rand(7, 16, generator=gen) < 0.8
+    n = torch.randint(0, 17, (7,), generator=gen)
+    expected = first_rejection_index(accepted, n, backend="reference")
+    assert torch.equal(first_rejection_index(accepted.cuda(), n.cuda(), backend="triton").cpu(), expected)
