@@ -1,4 +1,4 @@
-"""Triton kernels for batched speculative verification (one program per batch row).
+"""Triton kernels for batched speculative verification (one program per batch row, or per row and position).
 
 - `_rejection_sample_kernel`: from probabilities. Acceptance tests gather ``p_i(x_i)`` and
   ``q_i(x_i)`` only; the full vocabulary row is read once, at the row's first rejection j
@@ -8,6 +8,11 @@
   scanned row is read once for its normalizer (online max / sum) and the scan stops at the first
   rejection; then the residual row is read again (or the bonus row, sampled in log space:
   ``argmax l/T - log E``, which needs no normalizer). No probability tensor is written.
+- `_logit_thresholds_kernel`: top-k / top-p logit thresholds of every target and draft row (one
+  program per row and position), without sorting: a search over the order-preserving int32 keys
+  of the float32 scaled logits that tests ``BP = 16`` pivots per pass over the row (at most 18
+  passes). Launched before the logits sampler when a filter is set, so a filtered call is two
+  launches and writes ``B * (2K+1)`` floats.
 - `_first_rejection_kernel`: the first-rejection search on its own.
 
 Sampling is an exponential race ``argmax w / E`` over vocabulary tiles, with ``E = -log u``
@@ -15,6 +20,10 @@ drawn in registers from a counter-based RNG (``tl.randint(seed_b, offset)``): no
 and no host sync. Entries with ``w <= 0`` never win; if no entry has ``w > 0`` the row falls back
 to ``p_j`` (tracked in the same pass). Explicit noise (``use_noise``) replaces the RNG for exact
 tests; masked-off loads move no bytes, so the flag costs nothing when off.
+
+Scaled logits are ``div_rn(l.float(), T)``: IEEE division, bit-identical to torch's ``l.float() / T``
+(Triton's ``/`` lowers to the 2-ulp ``div.full.f32`` on NVIDIA), so an entry equal to its threshold
+is kept in both kernels and in the reference.
 
 Uniforms: acceptance ``u = (r >> 8 + 1) * 2**-24`` in (0, 1]; race ``u = (r >> 9 + 0.5) * 2**-23``
 in (0, 1), so ``E > 0``. Both are exact in float32; nothing is clamped.
@@ -26,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec_kernels.sampling import RejectionNoise, RejectionOutput, _temperature_rows, logit_thresholds
+from specdec_kernels.sampling import RejectionNoise, RejectionOutput
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
 
@@ -34,6 +43,9 @@ from .registry import KernelSpec, register, torch_dtype_to_triton
 BK = 16
 #: Vocabulary tile.
 BV = 1024
+#: Vocabulary tile and pivots per pass of the threshold search (each pass shrinks the key range BP-fold).
+BT = 1024
+BP = 16
 NUM_WARPS = 8
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -79,13 +91,27 @@ def _merge_max(best, best_idx, scores, v0):
 
 
 @triton.jit
+def _scaled(x, DIVISOR):
+    """``x.float() / DIVISOR`` rounded as torch rounds it (IEEE division, see the module docstring)."""
+    return tl.math.div_rn(x.to(tl.float32), DIVISOR)
+
+
+@triton.jit
+def _row_divisor(i_b, temp_ptr, has_temp_rows, temp_scalar):
+    """(temperature, divisor) of row ``i_b``: the divisor is the temperature, or 1 where it is 0."""
+    T = tl.load(temp_ptr + i_b, mask=has_temp_rows != 0, other=0.0)
+    T = tl.where(has_temp_rows != 0, T, temp_scalar)
+    return T, tl.where(T == 0, 1.0, T)
+
+
+@triton.jit
 def _row_argmax(row_ptr, V, DIVISOR, thr, BV: tl.constexpr):
     """First argmax of ``row / DIVISOR`` masked below ``thr`` (NaN counts as -inf)."""
     best = float("-inf")
     best_idx = 0
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
-        b_x = tl.load(row_ptr + o_v, mask=o_v < V, other=float("-inf")).to(tl.float32) / DIVISOR
+        b_x = _scaled(tl.load(row_ptr + o_v, mask=o_v < V, other=float("-inf")), DIVISOR)
         b_x = tl.where((b_x == b_x) & (b_x >= thr), b_x, float("-inf"))
         best, best_idx = _merge_max(best, best_idx, b_x, v0)
     return best_idx
@@ -210,7 +236,7 @@ def _row_normalizer(row_ptr, V, DIVISOR, thr, BV: tl.constexpr):
     s = 0.0
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
-        b_l = tl.load(row_ptr + o_v, mask=o_v < V, other=float("-inf")).to(tl.float32) / DIVISOR
+        b_l = _scaled(tl.load(row_ptr + o_v, mask=o_v < V, other=float("-inf")), DIVISOR)
         b_l = tl.where(b_l >= thr, b_l, float("-inf"))
         m_new = tl.maximum(m, tl.max(b_l, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -222,7 +248,7 @@ def _row_normalizer(row_ptr, V, DIVISOR, thr, BV: tl.constexpr):
 @triton.jit
 def _prob_at(row_ptr, x, m_x, DIVISOR, thr, m, s):
     """Softmax probability of entry ``x`` given the row's (max, sum); 0 where masked."""
-    b_l = tl.load(row_ptr + x, mask=m_x, other=float("-inf")).to(tl.float32) / DIVISOR
+    b_l = _scaled(tl.load(row_ptr + x, mask=m_x, other=float("-inf")), DIVISOR)
     b_l = tl.where(b_l >= thr, b_l, float("-inf"))
     return tl.exp(b_l - tl.where(m == float("-inf"), 0.0, m)) / s
 
@@ -280,10 +306,8 @@ def _rejection_sample_logits_kernel(
         i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_base
     )
     # Temperature 0 means greedy; other rows divide their logits by the temperature.
-    T = tl.load(temp_ptr + i_b, mask=has_temp_rows != 0, other=0.0)
-    T = tl.where(has_temp_rows != 0, T, temp_scalar)
+    T, D = _row_divisor(i_b, temp_ptr, has_temp_rows, temp_scalar)
     sampled = sampled & (T != 0)
-    D = tl.where(T == 0, 1.0, T)
     noisy = use_noise != 0
     filtered = has_thr != 0
     p_t = target_ptr + i_b * stride_tb
@@ -346,13 +370,14 @@ def _rejection_sample_logits_kernel(
     idx_p = 0
     best_l = float("-inf")
     idx_l = 0
-    m_t = tl.where(is_rej, m_t, 0.0)  # only row j's normalizers are used; keep -inf - -inf out
-    m_d = tl.where(is_rej, m_d, 0.0)
+    # Only a sampled row j's normalizers are used (greedy rows never scanned); keep -inf - -inf out.
+    m_t = tl.where(is_rej & sampled, m_t, 0.0)
+    m_d = tl.where(is_rej & sampled, m_d, 0.0)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V_s
         m_rej = o_v < V_rej
-        b_l = tl.load(p_t + j * stride_tk + o_v, mask=m_v, other=float("-inf")).to(tl.float32) / D
+        b_l = _scaled(tl.load(p_t + j * stride_tk + o_v, mask=m_v, other=float("-inf")), D)
         b_l = tl.where(b_l >= thr_j, b_l, float("-inf"))
         b_e_noise = tl.load(exp_ptr + i_b * V + o_v, mask=o_v < V_noise, other=1.0)
         b_e = tl.where(noisy, b_e_noise, _race_exponential(seed, o_v + K + 1))
@@ -362,7 +387,7 @@ def _rejection_sample_logits_kernel(
         # residual: max(p - q, 0) / E, falling back to p / E
         b_p = tl.exp(b_l - m_t) / s_t
         if HAS_DRAFT:
-            b_ld = tl.load(p_d + j * stride_dk + o_v, mask=m_rej, other=float("-inf")).to(tl.float32) / D
+            b_ld = _scaled(tl.load(p_d + j * stride_dk + o_v, mask=m_rej, other=float("-inf")), D)
             b_ld = tl.where(b_ld >= thr_dj, b_ld, float("-inf"))
             b_w = tl.maximum(b_p - tl.exp(b_ld - m_d) / s_d, 0.0)
         else:
@@ -374,6 +399,132 @@ def _rejection_sample_logits_kernel(
     tok_s = tl.where(is_rej, tl.where(best_w >= 0, idx_w, idx_p), idx_l)
     tok = tl.where(sampled, tok_s, tok_g)
     _store_output(ids_ptr, token_ptr, num_acc_ptr, i_b, K, j, tok, BK)
+
+
+@triton.jit
+def _from_key(k):
+    """Float32 of an int32 key of `_row_keys` (the mapping is an involution on int32)."""
+    k = k.to(tl.int32)
+    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_keys(p_x, o_v, V, D):
+    """Scaled entries ``o_v`` of a row (as `_scaled`) and their order-preserving int32 keys:
+    ``a < b`` iff ``key(a) < key(b)``; -0.0 is taken as +0.0 so that equal floats share a key,
+    NaN keys lie outside those of -inf / +inf, and ``o_v >= V`` gets INT32_MIN (below every pivot).
+    No nested calls: each costs milliseconds per tile under the interpreter."""
+    m_v = o_v < V
+    b_x = tl.math.div_rn(tl.load(p_x + o_v, mask=m_v, other=0.0).to(tl.float32), D)
+    b_i = tl.where(b_x == 0, 0.0, b_x).to(tl.int32, bitcast=True)
+    return b_x, tl.where(m_v, b_i ^ ((b_i >> 31) & 0x7FFFFFFF), -2147483647 - 1)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "K",
+        "V",
+        "stride_tb",
+        "stride_tk",
+        "stride_db",
+        "stride_dk",
+        "has_temp_rows",
+        "temp_scalar",
+        "top_k",
+        "top_p",
+    ]
+)
+def _logit_thresholds_kernel(
+    target_ptr,
+    draft_ptr,
+    temp_ptr,
+    thr_t_ptr,
+    thr_d_ptr,
+    K,
+    V,
+    stride_tb,
+    stride_tk,
+    stride_db,
+    stride_dk,
+    has_temp_rows,
+    temp_scalar,
+    top_k,
+    top_p,
+    BT: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """Threshold of one row ``x = l.float() / D``; grid ``(B, K+1 [+ K])``: program ``(b, i)`` is
+    target position i for ``i <= K``, else draft position ``i - K - 1``. ``top_k >= V`` and
+    ``top_p >= 1`` turn a filter off. Both searches run over the int32 keys (`_row_keys`) in the row's
+    ``[min, max]``; each pass over the row tests ``BP`` pivots at once and shrinks the key range
+    ``BP``-fold, so a search takes at most 8 passes (``BP = 16``, 2**32 keys):
+
+    - top-k: the largest key t with ``count(x >= t) >= k``, i.e. the k-th largest value.
+    - top-p: the smallest key t >= the top-k threshold with ``M(t) < top_p``, ``M(t)`` the
+      top-k-renormalized softmax mass of the entries with key > t. ``M`` sums non-negative terms
+      in a fixed order, so it is non-increasing in t and steps only at present values: t is one.
+    """
+    i_b = tl.program_id(0).to(tl.int64)
+    i_r = tl.program_id(1)
+    is_t = i_r <= K
+    i = tl.where(is_t, i_r, i_r - (K + 1)).to(tl.int64)
+    p_x = tl.where(is_t, target_ptr + i_b * stride_tb + i * stride_tk, draft_ptr + i_b * stride_db + i * stride_dk)
+    p_o = tl.where(is_t, thr_t_ptr + i_b * (K + 1) + i, thr_d_ptr + i_b * K + i)
+    D = _row_divisor(i_b, temp_ptr, has_temp_rows, temp_scalar)[1]
+    o_p = tl.arange(0, BP).to(tl.int64)
+
+    # Key range [k_lo, k_hi] of the row; the searches never leave it.
+    k_lo = 2147483647
+    k_hi = -2147483647 - 1
+    for v0 in range(0, V, BT):
+        o_v = v0 + tl.arange(0, BT)
+        _, b_k = _row_keys(p_x, o_v, V, D)
+        k_lo = tl.minimum(k_lo, tl.min(tl.where(o_v < V, b_k, 2147483647), 0))
+        k_hi = tl.maximum(k_hi, tl.max(b_k, 0))
+
+    # Top-k: count(x >= lo) >= k holds (k < V at k_lo). Pivots in (lo, hi], the last at hi; the
+    # bounds are int64 because hi - lo can exceed the int32 range.
+    has_topk = top_k < V
+    lo = k_lo.to(tl.int64)
+    hi = tl.where(has_topk, k_hi, k_lo).to(tl.int64)
+    while lo < hi:
+        t_p = lo + ((hi - lo) * (o_p + 1) + BP - 1) // BP
+        b_t = t_p.to(tl.int32)
+        cnt = tl.zeros([BP], dtype=tl.int32)
+        for v0 in range(0, V, BT):
+            _, b_k = _row_keys(p_x, v0 + tl.arange(0, BT), V, D)
+            cnt += tl.sum((b_k[:, None] >= b_t[None, :]).to(tl.int32), 0)
+        ok = cnt >= top_k
+        lo = tl.maximum(lo, tl.max(tl.where(ok, t_p, lo), 0))
+        hi = tl.minimum(hi, tl.min(tl.where(ok, hi, t_p - 1), 0))
+    k_k = lo.to(tl.int32)  # smallest key kept by top-k (k_lo without top-k)
+
+    # Top-p: normalizer of the kept entries (the row maximum is always kept); M(hi) = 0 < top_p.
+    # Pivots in [lo, hi). Without top-p the loops run zero times.
+    has_topp = top_p < 1.0
+    V_p = tl.where(has_topp, V, 0)
+    m = _from_key(k_hi)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # all -inf: z = 0, M is NaN, t stays at k_hi
+    z = 0.0
+    for v0 in range(0, V_p, BT):
+        b_x, b_k = _row_keys(p_x, v0 + tl.arange(0, BT), V, D)
+        z += tl.sum(tl.where(b_k >= k_k, tl.exp(b_x - m_safe), 0.0), 0)
+    lo = k_k.to(tl.int64)
+    hi = tl.where(has_topp, k_hi, k_k).to(tl.int64)
+    while lo < hi:
+        t_p = lo + ((hi - lo) * o_p) // BP
+        b_t = t_p.to(tl.int32)
+        mass = tl.zeros([BP], dtype=tl.float32)
+        for v0 in range(0, V, BT):
+            b_x, b_k = _row_keys(p_x, v0 + tl.arange(0, BT), V, D)
+            b_e = tl.where(b_k >= k_k, tl.exp(b_x - m_safe), 0.0)
+            mass += tl.sum(tl.where(b_k[:, None] > b_t[None, :], b_e[:, None], 0.0), 0)
+        ok = mass / z < top_p
+        hi = tl.minimum(hi, tl.min(tl.where(ok, t_p, hi), 0))
+        lo = tl.maximum(lo, tl.max(tl.where(ok, lo, t_p + 1), 0))
+    # hi only ever takes pivots that passed: the top-p key (k_k without top-p).
+    thr = tl.where(has_topk | has_topp, _from_key(hi), float("-inf"))
+    tl.store(p_o, thr)
 
 
 @triton.jit(do_not_specialize=["K"])
@@ -395,7 +546,11 @@ _DTYPE_TAG = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 
 
 def _config(kind: str, dtype: torch.dtype, has_draft: bool) -> tuple[str, dict[str, object], int]:
-    """Spec name, constexprs and num_warps the launcher uses: the one place block sizes are chosen."""
+    """Spec name, constexprs and num_warps the launcher uses: the one place block sizes are chosen.
+    ``kind`` is ``"probs"``, ``"logits"`` or ``"thresholds"`` (one kernel for target and draft rows:
+    ``has_draft`` is ignored)."""
+    if kind == "thresholds":
+        return f"sampling.logit_thresholds[{_DTYPE_TAG[dtype]},BT={BT},BP={BP}]", dict(BT=BT, BP=BP), NUM_WARPS
     name = f"sampling.{kind}[{_DTYPE_TAG[dtype]},draft={int(has_draft)},BK={BK},BV={BV}]"
     return name, dict(HAS_DRAFT=has_draft, BK=BK, BV=BV), NUM_WARPS
 
@@ -447,6 +602,30 @@ for _kind, _kernel in _KERNELS.items():
             # Every pointer is a torch allocation (16-byte aligned), as the JIT specializes real launches.
             _aligned = tuple(k for k, v in _sig.items() if v.startswith("*"))
             register(KernelSpec(_name, _kernel, _sig, _constexprs, num_warps=_warps, aligned=_aligned))
+for _dtype in DTYPES:
+    _name, _constexprs, _warps = _config("thresholds", _dtype, False)
+    _val = torch_dtype_to_triton(_dtype)
+    _sig = {
+        "target_ptr": _val,
+        "draft_ptr": _val,
+        "temp_ptr": "*fp32",
+        "thr_t_ptr": "*fp32",
+        "thr_d_ptr": "*fp32",
+        "K": "i32",
+        "V": "i32",
+        "stride_tb": "i32",
+        "stride_tk": "i32",
+        "stride_db": "i32",
+        "stride_dk": "i32",
+        "has_temp_rows": "i32",
+        "temp_scalar": "fp32",
+        "top_k": "i32",
+        "top_p": "fp32",
+        "BT": "constexpr",
+        "BP": "constexpr",
+    }
+    _aligned = tuple(k for k, v in _sig.items() if v.startswith("*"))
+    register(KernelSpec(_name, _logit_thresholds_kernel, _sig, _constexprs, num_warps=_warps, aligned=_aligned))
 register(
     KernelSpec(
         f"sampling.first_rejection[BK={BK}]",
@@ -557,6 +736,70 @@ def rejection_sample_triton(
     return RejectionOutput(tokens, num_acc)
 
 
+def logit_thresholds_triton(
+    target: torch.Tensor,
+    draft: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    top_k: int | None,
+    top_p: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`specdec_kernels.sampling.logit_thresholds` of the temperature-scaled target and draft rows,
+    in one launch of `_logit_thresholds_kernel` (grid ``(B, K+1+K)``, or ``(B, K+1)`` without draft).
+
+    Args:
+        target: ``[B, K+1, V]`` float32 / float16 / bfloat16 logits.
+        draft: ``[B, K, V]`` same dtype, or None.
+        temperature: float, or ``[B]`` float tensor; rows divide by it (by 1 where it is 0), as
+            ``logits.float() / T`` in torch.
+        top_k, top_p: as in `specdec_kernels.process_logits`; None turns a filter off.
+
+    Returns:
+        ``(thr_t, thr_d)``: ``[B, K+1]`` and ``[B, K]`` float32 (None without draft); entries
+        ``>= threshold`` are kept, -inf where no filter applies. Top-k thresholds equal torch's bit
+        for bit. Top-p sums the mass in another order than torch's sort + cumsum: a row whose
+        cumulative mass lands within rounding of ``top_p`` may keep one distinct value more or
+        less than `logit_thresholds` (the kernel's mass is monotone in the threshold, so the
+        result is still a valid top-p threshold for its own sums).
+    """
+    B, K1, V = target.shape
+    K = K1 - 1
+    device = target.device
+    target = _contiguous_rows(target)
+    # Without draft rows (None, or K == 0) the draft arguments alias the target ones: never read.
+    has_draft_rows = draft is not None and K > 0
+    draft_arg = _contiguous_rows(draft) if has_draft_rows else target
+    has_temp_rows = isinstance(temperature, torch.Tensor)
+    temp_arg = (
+        temperature.to(torch.float32).contiguous()
+        if has_temp_rows
+        else torch.empty(1, dtype=torch.float32, device=device)
+    )
+    thr_t = torch.empty(B, K1, dtype=torch.float32, device=device)
+    thr_d = torch.empty(B, K, dtype=torch.float32, device=device) if draft is not None else None
+    rows = K1 + (K if has_draft_rows else 0)
+    _, constexprs, num_warps = _config("thresholds", target.dtype, False)
+    _logit_thresholds_kernel[(B, rows)](
+        target,
+        draft_arg,
+        temp_arg,
+        thr_t,
+        thr_d if has_draft_rows else thr_t,
+        K,
+        V,
+        target.stride(0),
+        target.stride(1),
+        draft_arg.stride(0),
+        draft_arg.stride(1),
+        int(has_temp_rows),
+        0.0 if has_temp_rows else float(temperature),
+        V if top_k is None else min(top_k, V),  # within int32, and >= V means off
+        1.0 if top_p is None else float(top_p),
+        num_warps=num_warps,
+        **constexprs,
+    )
+    return thr_t, thr_d
+
+
 def rejection_sample_logits_triton(
     target: torch.Tensor,
     draft: torch.Tensor | None,
@@ -571,11 +814,12 @@ def rejection_sample_logits_triton(
     seed: int | torch.Tensor | None = None,
     noise: RejectionNoise | None = None,
 ) -> RejectionOutput:
-    """Launch `_rejection_sample_logits_kernel` (one launch, grid ``(B,)``; plus the seed draw from
-    a generator, and torch ops for the thresholds when top-k / top-p are set).
+    """Launch `_rejection_sample_logits_kernel` (grid ``(B,)``), preceded by `_logit_thresholds_kernel`
+    when a filter is set (``top_k < V`` or ``top_p < 1``): two launches at most, plus the seed draw
+    when seeds come from a generator.
 
-    Rows with temperature 0 are greedy (decided in the kernel). With top-k / top-p, the per-row,
-    per-position logit thresholds are computed with torch first (`logit_thresholds`).
+    Rows with temperature 0 are greedy (decided in the kernel). Filters write one float32 threshold
+    per row and position (`logit_thresholds_triton`); no ``[B, K+1, V]`` tensor is allocated.
     """
     B, K1, V = target.shape
     K = K1 - 1
@@ -588,11 +832,10 @@ def rejection_sample_logits_triton(
     temp_scalar = 0.0 if has_temp_rows else float(temperature)
     thr_t = thr_d = f32
     has_thr = 0
-    if top_k is not None or top_p is not None:
-        divisor, _ = _temperature_rows(temperature, B, device)
-        thr_t = logit_thresholds(target.float() / divisor[:, None, None], top_k, top_p).contiguous()
-        if draft is not None:
-            thr_d = logit_thresholds(draft.float() / divisor[:, None, None], top_k, top_p).contiguous()
+    # Filters that keep every entry (top_k >= V, top_p == 1) cost no launch.
+    if (top_k is not None and top_k < V) or (top_p is not None and top_p < 1.0):
+        thr_t, thr_d = logit_thresholds_triton(target, draft, temperature, top_k, top_p)
+        thr_d = f32 if thr_d is None or K == 0 else thr_d
         has_thr = 1
     (n_arg, greedy_arg, seeds, accept, exp), scalars = _row_args(B, device, n, greedy, generator, seed, noise)
     tokens, num_acc = _outputs(B, K, device)

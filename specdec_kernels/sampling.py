@@ -705,9 +705,10 @@ def rejection_sample_logits(
 
     Target and draft distributions are ``process_logits(logits, temperature, top_k, top_p)``
     (the same processing for both). Rows with temperature 0, or flagged in ``greedy``, verify
-    greedily by argmax. On the Triton backend no ``[B, K+1, V]`` probability tensor is
-    materialized (top-k / top-p thresholds are computed with torch first, one float per row
-    and position; see the README for what that costs).
+    greedily by argmax. On the Triton backend no ``[B, K+1, V]`` tensor is materialized: top-k /
+    top-p thresholds (one float per row and position) come from one kernel launched before the
+    sampler, two launches in all (see the README; its top-p mass is summed in another order than
+    `logit_thresholds`' cumsum, so a row within rounding of ``top_p`` may keep one value more or less).
 
     Args:
         target_logits: ``[B, K+1, V]`` float32 / float16 / bfloat16.

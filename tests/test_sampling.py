@@ -20,6 +20,7 @@ from specdec_kernels import (
     triton_available,
 )
 from specdec_kernels._backend import interpreter_enabled
+from specdec_kernels.sampling import _temperature_rows, logit_thresholds
 from specdec_kernels.testing import SyncCounter, TrafficMeter
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
@@ -145,6 +146,88 @@ def test_logits_matches_reference_token_for_token(fast_backend, params, dtype, d
     )
     assert torch.equal(actual.num_accepted, expected.num_accepted)
     assert torch.equal(actual.token_ids, expected.token_ids)
+
+
+# --------------------------------------------------------------------------- top-k / top-p thresholds (triton)
+
+
+def threshold_case(B: int, K: int, V: int, dtype: torch.dtype, seed: int = 0):
+    """Target ``[B, K+1, V]`` and draft ``[B, K, V]`` logits with ties at the top and at the
+    top-k / top-p boundary, -inf entries, a row of coarse (heavily tied) values and a row of -inf
+    only; per-row temperatures include 0 (greedy rows keep divisor 1)."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(B, K + 1, V, generator=g) * 3
+    draft = torch.randn(B, K, V, generator=g) * 3
+    target[0, 0, : (V + 1) // 2] = target[0, 0].max()  # half the row tied at the maximum
+    target[0, -1] = (target[0, -1] * 2).round() / 2  # many ties everywhere
+    if B > 1:
+        target[1, :, ::3] = float("-inf")
+        draft[1, :, 1::4] = float("-inf")
+        target[1, -1] = float("-inf")  # no finite entry at all
+    if K > 0:
+        draft[0, 0, : max(V // 8, 1)] = draft[0, 0, 0]  # a block of ties
+    temperature = torch.tensor([0.7, 0.0, 1.3, 1.0, 0.45])[:B]
+    return target.to(dtype), draft.to(dtype), temperature
+
+
+#: (top_k, top_p) pairs; "V" / "V+1" stand for the vocabulary size (top-k off), top_p 1.0 is off.
+ALL_FILTERS = [(1, None), (5, None), ("V", None), ("V+1", 0.9), (None, 0.1), (None, 0.9), (None, 1.0),
+               (5, 0.9), (1, 0.1), (5, 1.0)]
+FEW_FILTERS = [(5, None), (None, 0.9), (1, 0.1), (5, 0.9)]
+THRESHOLD_CASES = [
+    pytest.param(3, 4, 1000, torch.float32, True, "rows", ALL_FILTERS, id="B3-K4-V1000-fp32-draft-Trows"),
+    pytest.param(2, 1, 4099, torch.bfloat16, True, "rows", ALL_FILTERS, id="B2-K1-V4099-bf16-draft-Trows"),
+    pytest.param(2, 4, 4099, torch.float16, False, 0.7, FEW_FILTERS, id="B2-K4-V4099-fp16-nodraft-T0.7"),
+    pytest.param(2, 16, 7, torch.float16, True, "rows", [(5, 0.9), (None, 0.1)], id="B2-K16-V7-fp16-draft-Trows"),
+    pytest.param(3, 0, 7, torch.bfloat16, True, "rows", ALL_FILTERS, id="B3-K0-V7-bf16-bonus-only-Trows"),
+    pytest.param(3, 1, 1, torch.float32, True, 1.0, ALL_FILTERS, id="B3-K1-V1-fp32-draft-T1"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("B,K,V,dtype,draft,temperature,filters", THRESHOLD_CASES)
+def test_triton_thresholds_match_logit_thresholds(B, K, V, dtype, draft, temperature, filters):
+    """One launch computes every target and draft row's threshold; top-k is exact by construction,
+    top-p sums in another order than torch's cumsum and may differ only within rounding of top_p
+    (these seeded cases have no such row)."""
+    from specdec_kernels.kernels.sampling import logit_thresholds_triton
+
+    target, draft_logits, row_temperature = threshold_case(B, K, V, dtype)
+    draft_logits = draft_logits if draft else None
+    temperature = row_temperature if temperature == "rows" else temperature
+    divisor = _temperature_rows(temperature, B, target.device)[0][:, None, None]
+    for top_k, top_p in filters:
+        top_k = {"V": V, "V+1": V + 1}.get(top_k, top_k)
+        thr_t, thr_d = logit_thresholds_triton(target, draft_logits, temperature, top_k, top_p)
+        case = f"top_k={top_k} top_p={top_p}"
+        assert thr_t.dtype == torch.float32 and thr_t.shape == (B, K + 1), case
+        assert torch.equal(thr_t, logit_thresholds(target.float() / divisor, top_k, top_p)), case
+        if draft:
+            assert thr_d.dtype == torch.float32 and thr_d.shape == (B, K), case
+            assert torch.equal(thr_d, logit_thresholds(draft_logits.float() / divisor, top_k, top_p)), case
+        else:
+            assert thr_d is None
+
+
+@needs_triton
+def test_triton_thresholds_on_hand_built_rows():
+    """Ties with the k-th value are kept, -0.0 equals 0.0, -inf entries count for top-k."""
+    from specdec_kernels.kernels.sampling import logit_thresholds_triton
+
+    inf = float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0, -inf, 3.0], [0.0, -0.0, 0.0, -1.0, -0.0, -inf],
+                         [-inf, -inf, 5.0, -inf, -inf, -inf]])[:, None]
+    thr = lambda top_k, top_p: logit_thresholds_triton(rows, None, 1.0, top_k, top_p)[0][:, 0].tolist()
+    assert thr(2, None) == [3.0, 0.0, -inf]
+    assert thr(4, None) == [2.0, 0.0, -inf]
+    assert thr(5, None) == [1.0, -1.0, -inf]
+    assert thr(1, 0.5) == [3.0, 0.0, 5.0]
+    # softmax of row 0: three tied 3s hold 0.84 of the mass; the 2 follows at mass_before 0.84
+    assert thr(None, 0.5) == [3.0, 0.0, 5.0]
+    assert thr(None, 0.9) == [2.0, 0.0, 5.0]  # row 1: the four zeros already hold 0.92
+    for top_k, top_p in [(2, None), (4, None), (5, None), (1, 0.5), (None, 0.5), (None, 0.9), (3, 0.95)]:
+        assert torch.equal(logit_thresholds_triton(rows, None, 1.0, top_k, top_p)[0],
+                           logit_thresholds(rows, top_k, top_p))
 
 
 # --------------------------------------------------------------------------- semantics on known outcomes
@@ -438,6 +521,8 @@ def test_triton_launcher_is_sync_free():
         rejection_sample_logits(
             p.log(), q.log(), ids, n, temperature=torch.rand(3), top_k=5, validate=False, backend="triton"
         )
+        rejection_sample_logits(p.log(), None, ids, n, temperature=0.8, top_k=5, top_p=0.9, validate=False,
+                                backend="triton")
     own = [e for e in syncs.events if "/triton/" not in e.where.replace("\\", "/")]
     assert not own, own
 
@@ -509,6 +594,35 @@ def test_triton_logits_bytes_within_115_percent_of_minimum():
         minimum += scanned * (2 * row + 8 + 2 * 4)  # normalizer passes of target and draft rows, gathers
         minimum += 2 * row if j < nb else row  # residual row (target and draft) or the bonus row
     assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("draft", [True, False], ids=["draft", "nodraft"])
+def test_triton_filtered_logits_is_two_launches(draft):
+    """top-k and top-p: the thresholds kernel, then the sampler; filters that keep everything
+    launch nothing extra. Thresholds are [B, K+1] + [B, K] floats, never a [B, K+1, V] tensor."""
+    B, K, V = 3, 2, 300
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randn(B, K + 1, V, generator=gen) * 2
+    draft_logits = target[:, :K] + 0.3 * torch.randn(B, K, V, generator=gen) if draft else None
+    ids = torch.randint(0, V, (B, K), generator=gen)
+    temperature = torch.tensor([0.9, 0.0, 1.2])
+    noise = make_rejection_noise(B, K, V, generator=torch.Generator().manual_seed(6))
+    kwargs = dict(temperature=temperature, top_k=20, top_p=0.9, noise=noise, validate=False)
+    with TrafficMeter() as meter:
+        out = rejection_sample_logits(target, draft_logits, ids, backend="triton", **kwargs)
+    assert meter.num_launches <= 2
+    assert [launch.kernel for launch in meter.launches] == [
+        "_logit_thresholds_kernel",
+        "_rejection_sample_logits_kernel",
+    ]
+    assert meter.launches[0].grid[:2] == (B, K + 1 + (K if draft else 0))
+    assert meter.launches[0].bytes_stored == B * (K + 1 + (K if draft else 0)) * 4
+    expected = rejection_sample_logits(target, draft_logits, ids, backend="reference", **kwargs)
+    assert torch.equal(out.token_ids, expected.token_ids)
+    with TrafficMeter() as meter:
+        rejection_sample_logits(target, draft_logits, ids, backend="triton", **{**kwargs, "top_k": V, "top_p": 1.0})
+    assert meter.num_launches == 1
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.3, top_k=5),
