@@ -5,8 +5,8 @@
   what `specdec_kernels.model.linear` does on the CPU for 2 to 63 rows) and as ``F.linear``
   (``x @ weight^T``, what it does for one row and for 64 or more: 102 and 816 rows are the
   generation benchmark's batch-1 and batch-8 prompts, padded).
-- ``test_decode_step``: one decode step (B = 1, T = 1, 80 tokens cached) of a random-weight model
-  with SmolLM2-135M's config; ``extra_info["aten_ops"]`` counts the ATen ops it dispatches
+- ``test_decode_step``: one decode step (B = 1 or 8, T = 1, 80 tokens cached) of a random-weight
+  model with SmolLM2-135M's config; ``extra_info["aten_ops"]`` counts the ATen ops it dispatches
   (``torch.profiler``).
 
 Random weights: the shapes, not the values, set the cost, and nothing needs downloading.
@@ -62,13 +62,14 @@ def test_matmuls(benchmark, weights, impl, rows):
     bench(benchmark, one_pass, rounds=5)
 
 
+@pytest.mark.parametrize("batch", [1, 8])
 @torch.inference_mode()
-def test_decode_step(benchmark):
+def test_decode_step(benchmark, batch):
     torch.manual_seed(0)
     model = Llama(SMOLLM2).eval()
-    cache = model.new_cache(1, 160)
-    model(torch.randint(0, SMOLLM2.vocab_size, (1, 80)), cache)
-    token, base = torch.tensor([[7]]), cache.lengths.clone()
+    cache = model.new_cache(batch, 160)
+    model(torch.randint(0, SMOLLM2.vocab_size, (batch, 80)), cache)
+    token, base = torch.full((batch, 1), 7), cache.lengths.clone()
 
     def step():
         cache.crop(base)
@@ -77,6 +78,7 @@ def test_decode_step(benchmark):
     step()
     with torch.profiler.profile() as prof:
         step()
+    benchmark.group = f"decode step B={batch}"
     benchmark.extra_info["aten_ops"] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
     benchmark.extra_info["torch_threads"] = torch.get_num_threads()
     bench(benchmark, step, rounds=10)
