@@ -4,7 +4,10 @@ A model is any callable ``model(input_ids [B, T], cache, q_seqlens=None) -> logi
 that appends its keys and values at each row's own cache length and advances
 ``cache.lengths``, with ``model.vocab_size`` and ``model.new_cache(batch_size, max_len)``
 returning a cache that has ``lengths`` [B], ``crop(lengths)`` and ``select(rows)``
-(`specdec_kernels.KVCache`; `specdec_kernels.Llama` is the built-in model).
+(`specdec_kernels.KVCache`; `specdec_kernels.Llama` is the built-in model). Two optional
+keywords are used when the model's ``forward`` takes them: ``last_only=True`` (logits of each
+row's last real token only, [B, 1, V]) and ``num_tokens=`` (``q_seqlens.sum()`` as a host int,
+known to the loops without an extra sync, so the model can skip padding positions).
 
 Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
 reads a device value on the host except the one "which rows are done?" check, which

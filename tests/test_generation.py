@@ -194,6 +194,28 @@ def test_model_without_last_only_support(target):
     assert torch.equal(a.tokens, b.tokens)
 
 
+def test_loops_tell_the_model_how_many_tokens_are_real(target):
+    """Prefill (ragged prompts) and ragged prompt-lookup verifies pass num_tokens = q_seqlens.sum()."""
+    seen = []
+
+    class Recording(type(target)):
+        def forward(self, input_ids, cache, q_seqlens=None, *, last_only=False, num_tokens=None):
+            if num_tokens is not None:
+                assert num_tokens == int(q_seqlens.sum()) < input_ids.numel()
+                seen.append(input_ids.shape[1])
+            return super().forward(input_ids, cache, q_seqlens, last_only=last_only, num_tokens=num_tokens)
+
+    recording = Recording.__new__(Recording)
+    recording.__dict__ = target.__dict__
+    ids, mask = ragged_prompts(B=5)
+    ids = torch.cat([ids, ids[:, -4:], ids[:, -4:]], 1)  # repeats for prompt lookup to find
+    mask = torch.cat([mask, torch.ones(5, 8, dtype=mask.dtype)], 1)
+    out = speculative_generate(recording, PromptLookupDraft(), ids, mask, num_draft_tokens=3,
+                               max_new_tokens=12, temperature=0)
+    assert torch.equal(out.tokens, generate(target, ids, mask, max_new_tokens=12, temperature=0).tokens)
+    assert seen[0] == ids.shape[1] and len(seen) > 1  # the prefill, then ragged verifies
+
+
 def test_prompt_lookup_proposals():
     context = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 0, 0], [5, 6, 5, 0, 0, 0, 0, 0, 0],
                             [4, 8, 15, 16, 23, 42, 0, 0, 0], [7, 1, 7, 2, 7, 3, 7, 0, 0]])
