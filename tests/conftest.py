@@ -15,9 +15,8 @@ import pytest
 
 _saved_interpret = os.environ.get("TRITON_INTERPRET")
 CUDA_TESTS = os.environ.get("SPECDEC_CUDA_TESTS", "0") == "1"
-if not CUDA_TESTS:
-    assert "triton" not in __import__("sys").modules, "triton was imported before TRITON_INTERPRET was set"
-    os.environ["TRITON_INTERPRET"] = "1"
+assert "triton" not in __import__("sys").modules, "triton was imported before TRITON_INTERPRET was set"
+os.environ["TRITON_INTERPRET"] = "0" if CUDA_TESTS else "1"  # CUDA tests: the compiled kernels, never interpreted
 
 from specdec_kernels import BACKENDS, triton_available  # noqa: E402
 from specdec_kernels.testing import poison_empty  # noqa: E402

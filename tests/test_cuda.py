@@ -9,7 +9,6 @@ machine. These tests run instead when ``SPECDEC_CUDA_TESTS=1`` (interpreter off,
 
 import pytest
 import torch
-from specdec_kernels.kernels.attention import ragged_attention_triton
 from test_attention import CASES as ATTENTION_CASES
 from test_attention import make_inputs, reference_fp32
 from test_sampling import CASES as SAMPLER_CASES
@@ -26,6 +25,9 @@ from specdec_kernels.sampling import make_rejection_noise
 from specdec_kernels.testing import SyncCounter, assert_close
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+# Top-p cases expect the reference's tokens exactly; the thresholds kernel sums top-p mass in another
+# order (see `kernels/sampling.py`), which these seeded rows were checked against only under the
+# interpreter. A failure there on a GPU: first check for a row within rounding of top_p.
 
 
 def cuda(*tensors):
@@ -40,6 +42,8 @@ def test_attention_matches_reference(split, B, T, G, Hkv, D, Lmax, lengths, q_le
     if split == "auto":
         out = ragged_attention(*args, backend="triton")
     else:  # one program per row, or many splits merged by log-sum-exp
+        from specdec_kernels.kernels.attention import ragged_attention_triton
+
         kwargs = dict(max_splits=1) if split == "nosplit" else dict(max_splits=16, min_chunk=16)
         out = ragged_attention_triton(*args, D ** -0.5, **kwargs)
     assert out.is_cuda and out.dtype == dtype
