@@ -54,6 +54,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: inputs that are not given as tensors (counts, greedy flags, seeds) come in as scalars, so a call
 #: needs no extra launches to materialize them.
 _FLAGS = ["has_n", "has_greedy", "greedy_all", "has_row_seed", "seed_base"]
+#: Shapes and strides of the target / draft rows (never specialized either).
+_ROW_SHAPES = ["K", "V", "stride_tb", "stride_tk", "stride_db", "stride_dk"]
 
 
 @triton.jit
@@ -128,7 +130,7 @@ def _store_output(ids_ptr, token_ptr, num_acc_ptr, i_b, K, j, tok, BK: tl.conste
 
 
 @triton.jit(
-    do_not_specialize=["K", "V", "stride_tb", "stride_tk", "stride_db", "stride_dk", "use_noise", *_FLAGS]
+    do_not_specialize=[*_ROW_SHAPES, "use_noise", *_FLAGS]
 )
 def _rejection_sample_kernel(
     target_ptr,
@@ -255,12 +257,7 @@ def _prob_at(row_ptr, x, m_x, DIVISOR, thr, m, s):
 
 @triton.jit(
     do_not_specialize=[
-        "K",
-        "V",
-        "stride_tb",
-        "stride_tk",
-        "stride_db",
-        "stride_dk",
+        *_ROW_SHAPES,
         "use_noise",
         *_FLAGS,
         "has_thr",
@@ -420,20 +417,7 @@ def _row_keys(p_x, o_v, V, D):
     return b_x, tl.where(m_v, b_i ^ ((b_i >> 31) & 0x7FFFFFFF), -2147483647 - 1)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "K",
-        "V",
-        "stride_tb",
-        "stride_tk",
-        "stride_db",
-        "stride_dk",
-        "has_temp_rows",
-        "temp_scalar",
-        "top_k",
-        "top_p",
-    ]
-)
+@triton.jit(do_not_specialize=[*_ROW_SHAPES, "has_temp_rows", "temp_scalar", "top_k", "top_p"])
 def _logit_thresholds_kernel(
     target_ptr,
     draft_ptr,
@@ -557,21 +541,14 @@ def _config(kind: str, dtype: torch.dtype, has_draft: bool) -> tuple[str, dict[s
 
 def _signature(kind: str, dtype: torch.dtype) -> dict[str, str]:
     val = torch_dtype_to_triton(dtype)
-    common_in = {"target_ptr": val, "draft_ptr": val, "ids_ptr": "*i64", "n_ptr": "*i64", "greedy_ptr": "*u8"}
-    ints = {
-        "K": "i32",
-        "V": "i32",
-        "stride_tb": "i32",
-        "stride_tk": "i32",
-        "stride_db": "i32",
-        "stride_dk": "i32",
-        "use_noise": "i32",
-        "has_n": "i32",
-        "has_greedy": "i32",
-        "greedy_all": "i32",
-        "has_row_seed": "i32",
-        "seed_base": "i64",
-    }
+    rows = {"target_ptr": val, "draft_ptr": val}
+    shapes = dict.fromkeys(_ROW_SHAPES, "i32")
+    temperature = {"has_temp_rows": "i32", "temp_scalar": "fp32"}
+    if kind == "thresholds":
+        return {**rows, "temp_ptr": "*fp32", "thr_t_ptr": "*fp32", "thr_d_ptr": "*fp32", **shapes, **temperature,
+                "top_k": "i32", "top_p": "fp32", "BT": "constexpr", "BP": "constexpr"}
+    common_in = {**rows, "ids_ptr": "*i64", "n_ptr": "*i64", "greedy_ptr": "*u8"}
+    ints = {**shapes, "use_noise": "i32", **dict.fromkeys(_FLAGS[:-1], "i32"), "seed_base": "i64"}
     const = {"HAS_DRAFT": "constexpr", "BK": "constexpr", "BV": "constexpr"}
     rand = {"seed_ptr": "*i64", "accept_ptr": "*fp32", "exp_ptr": "*fp32"}
     out = {"token_ptr": "*i64", "num_acc_ptr": "*i64"}
@@ -586,46 +563,22 @@ def _signature(kind: str, dtype: torch.dtype) -> dict[str, str]:
         **out,
         **ints,
         "has_thr": "i32",
-        "has_temp_rows": "i32",
-        "temp_scalar": "fp32",
+        **temperature,
         **const,
     }
 
 
-_KERNELS = {"probs": _rejection_sample_kernel, "logits": _rejection_sample_logits_kernel}
+_KERNELS = {"probs": _rejection_sample_kernel, "logits": _rejection_sample_logits_kernel,
+            "thresholds": _logit_thresholds_kernel}
 
 for _kind, _kernel in _KERNELS.items():
     for _dtype in DTYPES:
-        for _has_draft in (True, False):
+        for _has_draft in (True, False) if _kind != "thresholds" else (False,):  # one thresholds kernel
             _name, _constexprs, _warps = _config(_kind, _dtype, _has_draft)
             _sig = _signature(_kind, _dtype)
             # Every pointer is a torch allocation (16-byte aligned), as the JIT specializes real launches.
             _aligned = tuple(k for k, v in _sig.items() if v.startswith("*"))
             register(KernelSpec(_name, _kernel, _sig, _constexprs, num_warps=_warps, aligned=_aligned))
-for _dtype in DTYPES:
-    _name, _constexprs, _warps = _config("thresholds", _dtype, False)
-    _val = torch_dtype_to_triton(_dtype)
-    _sig = {
-        "target_ptr": _val,
-        "draft_ptr": _val,
-        "temp_ptr": "*fp32",
-        "thr_t_ptr": "*fp32",
-        "thr_d_ptr": "*fp32",
-        "K": "i32",
-        "V": "i32",
-        "stride_tb": "i32",
-        "stride_tk": "i32",
-        "stride_db": "i32",
-        "stride_dk": "i32",
-        "has_temp_rows": "i32",
-        "temp_scalar": "fp32",
-        "top_k": "i32",
-        "top_p": "fp32",
-        "BT": "constexpr",
-        "BP": "constexpr",
-    }
-    _aligned = tuple(k for k, v in _sig.items() if v.startswith("*"))
-    register(KernelSpec(_name, _logit_thresholds_kernel, _sig, _constexprs, num_warps=_warps, aligned=_aligned))
 register(
     KernelSpec(
         f"sampling.first_rejection[BK={BK}]",
