@@ -689,6 +689,14 @@ def rejection_sample_triton(
     return RejectionOutput(tokens, num_acc)
 
 
+def _temperature_args(temperature: float | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int, float]:
+    """Kernel arguments of a temperature: ``(temp_ptr, has_temp_rows, temp_scalar)``; a [B] tensor
+    goes in as float32 rows, a float as the scalar (with a 1-element placeholder pointer)."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature.to(torch.float32).contiguous(), 1, 0.0
+    return torch.empty(1, dtype=torch.float32, device=device), 0, float(temperature)
+
+
 def logit_thresholds_triton(
     target: torch.Tensor,
     draft: torch.Tensor | None,
@@ -721,12 +729,7 @@ def logit_thresholds_triton(
     # Without draft rows (None, or K == 0) the draft arguments alias the target ones: never read.
     has_draft_rows = draft is not None and K > 0
     draft_arg = _contiguous_rows(draft) if has_draft_rows else target
-    has_temp_rows = isinstance(temperature, torch.Tensor)
-    temp_arg = (
-        temperature.to(torch.float32).contiguous()
-        if has_temp_rows
-        else torch.empty(1, dtype=torch.float32, device=device)
-    )
+    temp_arg, has_temp_rows, temp_scalar = _temperature_args(temperature, device)
     thr_t = torch.empty(B, K1, dtype=torch.float32, device=device)
     thr_d = torch.empty(B, K, dtype=torch.float32, device=device) if draft is not None else None
     rows = K1 + (K if has_draft_rows else 0)
@@ -743,8 +746,8 @@ def logit_thresholds_triton(
         target.stride(1),
         draft_arg.stride(0),
         draft_arg.stride(1),
-        int(has_temp_rows),
-        0.0 if has_temp_rows else float(temperature),
+        has_temp_rows,
+        temp_scalar,
         V if top_k is None else min(top_k, V),  # within int32, and >= V means off
         1.0 if top_p is None else float(top_p),
         num_warps=num_warps,
@@ -779,10 +782,8 @@ def rejection_sample_logits_triton(
     device = target.device
     target = _contiguous_rows(target)
     draft_arg = _contiguous_rows(draft) if draft is not None else target
+    temp_arg, has_temp_rows, temp_scalar = _temperature_args(temperature, device)
     f32 = torch.empty(1, dtype=torch.float32, device=device)
-    has_temp_rows = isinstance(temperature, torch.Tensor)
-    temp_arg = temperature.to(torch.float32).contiguous() if has_temp_rows else f32
-    temp_scalar = 0.0 if has_temp_rows else float(temperature)
     thr_t = thr_d = f32
     has_thr = 0
     # Filters that keep every entry (top_k >= V, top_p == 1) cost no launch.
@@ -815,7 +816,7 @@ def rejection_sample_logits_triton(
         draft_arg.stride(1),
         *scalars,
         has_thr,
-        int(has_temp_rows),
+        has_temp_rows,
         temp_scalar,
         num_warps=num_warps,
         **constexprs,

@@ -129,8 +129,6 @@ class _Step:
     """What one forward pass computes once for all its layers: the rotary tables, the plans of
     the cache writes and of the attention (masks, length checks), and which tokens are real."""
 
-    batch_size: int
-    num_queries: int
     cos: torch.Tensor          # [B, T, 1, D] float32: cos of the angles, both halves
     sin: torch.Tensor          # [B, T, 1, D] float32: sin, first half negated (rotate-half sign)
     append: AppendPlan
@@ -146,11 +144,16 @@ class _Step:
         rotated = torch.roll(x32, x.shape[-1] // 2, dims=-1)
         return torch.addcmul(x32 * self.cos, rotated, self.sin).to(x.dtype)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B, T): rows and query positions of the forward pass."""
+        return self.attention.batch_size, self.attention.num_queries
+
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token values ([N, C] packed, or [B, T, C]) as [B, T, C], zeros at padding."""
         if self.packed is None:
             return x
-        B, T = self.batch_size, self.num_queries
+        B, T = self.shape
         return x.new_zeros(B * T, x.shape[-1]).index_copy_(0, self.packed, x).view(B, T, -1)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +171,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, step: _Step) -> torch.Tensor:
-        B, T = step.batch_size, step.num_queries
+        B, T = step.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = step.unpack(linear(x, self.wqkv.weight)).view(B, T, H + 2 * Hkv, D)
         qk = step.rope(qkv[:, :, : H + Hkv])          # q and k rotated together
@@ -269,7 +272,7 @@ class Llama(nn.Module):
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
         attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=cache.max_len)
         packed = self._real_tokens(q_seqlens, num_tokens, B, T)
-        step = _Step(B, T, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
+        step = _Step(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
         x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i, step)
