@@ -171,18 +171,34 @@ def _minimum_bytes(q, k, cache_seqlens, q_seqlens) -> int:
 @pytest.mark.parametrize("split", ["nosplit", "split"])
 def test_triton_bytes_moved(split, dtype):
     """SmolLM2 verify shape (G=3, T=5, D=64): <= 1.15 x the analytic minimum in both paths."""
+    lengths = [1500, 700, 9, 1200] if split == "split" else [300, 41, 5, 257]
+    _check_bytes_moved(4, 5, 3, 3, lengths, [5, 2, 5, 1], dtype, max_splits=1 if split == "nosplit" else 8)
+
+
+@pytest.mark.parametrize("split", ["nosplit", "split"])
+@pytest.mark.parametrize("dtype,T", [(torch.float16, 16), (torch.bfloat16, 11), (torch.float32, 8)],
+                         ids=["fp16", "bf16", "fp32"])
+def test_triton_bytes_moved_wide_tiles(split, dtype, T):
+    """G = 8 query heads per KV head with up to 16 verify queries: G * T up to 128 packed rows
+    (64 in fp32) still share one tile, so K/V are read once per KV head in both paths."""
+    pytest.importorskip("triton")
+    from specdec_kernels.kernels.attention import attention_config, min_split_keys
+
+    long = 2 * min_split_keys(dtype, 8 * T, attention_config(dtype, 64, 8 * T)["BN"]) + 64  # splits in 3
+    _check_bytes_moved(2, T, 8, 1, [long, 40], [T, T - 3], dtype, max_splits=1 if split == "nosplit" else 4)
+
+
+def _check_bytes_moved(B, T, G, Hkv, lengths, q_lens, dtype, max_splits):
     pytest.importorskip("triton")
     from specdec_kernels.kernels.attention import attention_config, min_split_keys, ragged_attention_triton
 
-    lengths = [1500, 700, 9, 1200] if split == "split" else [300, 41, 5, 257]
-    q_lens = [5, 2, 5, 1]
-    q, k, v, cache_seqlens, q_seqlens = make_inputs(4, 5, 3, 3, 64, max(lengths), lengths, q_lens, dtype)
-    max_splits = 1 if split == "nosplit" else 8
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, 64, max(lengths), lengths, q_lens, dtype)
     with TrafficMeter() as meter:
         out = ragged_attention_triton(q, k, v, cache_seqlens, q_seqlens, 0.125, max_splits=max_splits)
-    if split == "split":  # the longest rows really split: more than one chunk of the default size
-        assert max(lengths) > 2 * min_split_keys(dtype, 15, attention_config(dtype, 64, 15)["BN"])
-    assert meter.num_launches == (1 if split == "nosplit" else 2)
+    split = max_splits > 1
+    if split:  # the longest rows really split: more than one chunk of the default size
+        assert max(lengths) > 2 * min_split_keys(dtype, G * T, attention_config(dtype, 64, G * T)["BN"])
+    assert meter.num_launches == (2 if split else 1)
     minimum = _minimum_bytes(q, k, cache_seqlens, q_seqlens)
     assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
     assert meter.bytes_moved >= minimum  # the meter sees every valid K/V element
