@@ -234,9 +234,9 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if max_splits is None:
         max_splits = _max_splits(B, Hkv * num_row_blocks, Lmax, min_chunk, q.device)
     max_splits = max(1, min(MAX_SPLITS, max_splits, triton.cdiv(Lmax, min_chunk)))
-    cache_seqlens = cache_seqlens.to(torch.int64)
+    cache_seqlens = cache_seqlens.to(torch.int64).contiguous()  # the kernels index [B] inputs as contiguous
     has_q = q_seqlens is not None
-    q_lens = q_seqlens.to(torch.int64) if has_q else cache_seqlens  # not read when has_q is False
+    q_lens = q_seqlens.to(torch.int64).contiguous() if has_q else cache_seqlens  # not read when has_q is False
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if max_splits > 1:
         o_part = torch.empty(B, Hkv, max_splits, rows, D, dtype=torch.float32, device=q.device)

@@ -56,9 +56,11 @@ def append_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Ten
         raise ValueError("the Triton append needs the head dim of k_cache and v_cache to be contiguous")
     k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
     has_q = q_seqlens is not None
+    lengths = lengths.contiguous()  # the kernel indexes [B] inputs as contiguous
+    q_seqlens = q_seqlens.to(torch.int64).contiguous() if has_q else lengths
     cfg = append_config(D)
     _kv_append_kernel[(T, Hkv, B)](
-        k_cache, v_cache, k_new, v_new, lengths, q_seqlens if has_q else lengths, int(has_q), T,
+        k_cache, v_cache, k_new, v_new, lengths, q_seqlens, int(has_q), T,
         k_cache.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
         D=D, BD=cfg["BD"], num_warps=cfg["num_warps"],
     )

@@ -609,9 +609,10 @@ def _row_args(
     i64 = torch.empty(1, dtype=torch.int64, device=device)
     u8 = torch.empty(1, dtype=torch.uint8, device=device)
     has_n = n is not None
-    n_arg = n.to(torch.int64) if has_n else i64
+    # The kernels index [B] inputs as contiguous: a strided view (a column of a larger tensor) is copied.
+    n_arg = n.to(torch.int64).contiguous() if has_n else i64
     has_greedy = isinstance(greedy, torch.Tensor)
-    greedy_arg = greedy.view(torch.uint8) if has_greedy else u8
+    greedy_arg = greedy.contiguous().view(torch.uint8) if has_greedy else u8
     greedy_all = int(greedy) if not has_greedy else 0
     accept = exp = f32
     use_noise = noise is not None
@@ -828,5 +829,6 @@ def first_rejection_index_triton(accepted: torch.Tensor, n: torch.Tensor) -> tor
     """Launch `_first_rejection_kernel`: ``[B, K]`` bool, ``[B]`` int64 -> ``[B]`` int64."""
     B, K = accepted.shape
     out = torch.empty(B, dtype=torch.int64, device=accepted.device)
-    _first_rejection_kernel[(B,)](accepted.contiguous().view(torch.uint8), n, out, K, BK=BK, num_warps=1)
+    _first_rejection_kernel[(B,)](accepted.contiguous().view(torch.uint8), n.to(torch.int64).contiguous(), out, K,
+                                  BK=BK, num_warps=1)
     return out

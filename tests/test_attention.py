@@ -114,6 +114,14 @@ def test_triton_forced_paths(split, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtyp
     assert_close(out, expected, dtype)
 
 
+def test_strided_lengths_are_read_by_value(backend):
+    """cache_seqlens / q_seqlens given as strided [B] views (columns of a larger tensor)."""
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(3, 4, 3, 1, 64, 40, [40, 9, 4], [4, 2, 1])
+    column = lambda t: torch.stack((t, t.flip(0)), 1)[:, 0]
+    out = ragged_attention(q, k, v, column(cache_seqlens), column(q_seqlens), backend=backend)
+    assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), torch.float32)
+
+
 def test_custom_scale(backend):
     q, k, v, cache_seqlens, q_seqlens = make_inputs(2, 3, 2, 2, 64, 40, [40, 9], [3, 2])
     out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, scale=0.3, backend=backend)

@@ -68,6 +68,18 @@ def test_append_writes_only_real_tokens_at_each_length(append_backend, dtype):
 
 
 @pytest.mark.parametrize("append_backend", APPEND_BACKENDS)
+def test_append_reads_strided_q_seqlens_by_value(append_backend):
+    """q_seqlens given as a strided [B] view (a column of a larger tensor) writes what it says."""
+    strided, contiguous = KVCache(1, 3, 12, 2, 64), KVCache(1, 3, 12, 2, 64)
+    for cache in (strided, contiguous):
+        cache.lengths.copy_(torch.tensor([0, 4, 7]))
+    k_new, v_new = _rand(3, 5, 2, 64, seed=1), _rand(3, 5, 2, 64, seed=2)
+    strided.append(0, k_new, v_new, torch.tensor([[5, 1], [2, 1], [3, 1]])[:, 0], backend=append_backend)
+    contiguous.append(0, k_new, v_new, torch.tensor([5, 2, 3]), backend=append_backend)
+    assert torch.equal(strided.k[0], contiguous.k[0]) and torch.equal(strided.v[0], contiguous.v[0])
+
+
+@pytest.mark.parametrize("append_backend", APPEND_BACKENDS)
 def test_speculative_round_trips_keep_accepted_entries(append_backend):
     """Prefill, then steps of append(K+1) / advance / crop(accepted) / select, against a Python model."""
     gen = torch.Generator().manual_seed(3)

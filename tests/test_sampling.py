@@ -305,6 +305,28 @@ def test_first_rejection_index(backend_):
     for bad in ([-2, 1, 1, 1, 1], [4, 5, 1, 1, 1]):  # outside [0, K]: an error, never a clamp
         with pytest.raises(ValueError, match="num_draft_tokens"):
             first_rejection_index(accepted, torch.tensor(bad), backend=backend_)
+    strided = torch.tensor([[4, 9], [3, 9], [2, 9], [1, 9], [0, 9]])[:, 0]  # a column: stride 2
+    assert first_rejection_index(accepted, strided, backend=backend_).tolist() == [2, 3, 0, 1, 0]
+
+
+def _column(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [B] as a strided view: column 0 of a [B, 2] tensor (what ``x[:, 0]`` hands a function)."""
+    return torch.stack((t, torch.zeros_like(t)), 1)[:, 0]
+
+
+@pytest.mark.parametrize("fast_backend", FAST)
+def test_strided_row_inputs_are_read_by_value(fast_backend):
+    """Counts, greedy flags and per-row seeds given as strided [B] views give the same tokens as
+    contiguous ones (kernels index [B] inputs as contiguous, so launchers must copy views)."""
+    p, q, ids, n, greedy, noise = make_case(6, 4, 300, torch.float32, draft=True, ragged=True, greedy="mixed")
+    noise = noise_for(fast_backend, noise)
+    expected = rejection_sample(p, q, ids, n, greedy=greedy, noise=noise, backend=fast_backend)
+    got = rejection_sample(p, q, ids, _column(n), greedy=_column(greedy), noise=noise, backend=fast_backend)
+    assert torch.equal(got.token_ids, expected.token_ids) and torch.equal(got.num_accepted, expected.num_accepted)
+    seeds = torch.arange(6) * 7 + 1
+    by_seed = rejection_sample(p, q, ids, n, seed=seeds, backend=fast_backend)
+    assert torch.equal(rejection_sample(p, q, ids, n, seed=_column(seeds), backend=fast_backend).token_ids,
+                       by_seed.token_ids)
 
 
 # --------------------------------------------------------------------------- logits helpers
