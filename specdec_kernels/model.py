@@ -62,6 +62,16 @@ class LlamaConfig:
         d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         if d.get("model_type", "llama") not in ("llama", "mistral"):
             raise ValueError(f"expected a Llama-family config, got model_type={d.get('model_type')!r}")
+        # Variants this decoder does not implement: loading them would silently compute another model.
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ValueError(f"{key}=True is not supported (the built-in Llama has no biases)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (the built-in Llama uses silu)")
+        window = d.get("sliding_window")
+        if window is not None and window < d.get("max_position_embeddings", 2048):
+            raise ValueError(f"sliding_window={window} is not supported (the built-in Llama attends to "
+                             f"every earlier token, up to max_position_embeddings)")
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if rope.get("rope_type", rope.get("type", "default")) == "default":

@@ -147,6 +147,28 @@ def test_bad_config_and_inputs():
         Llama.from_pretrained("/nonexistent")
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(sliding_window=16, max_position_embeddings=64), "sliding_window"),
+])
+def test_config_variants_the_model_does_not_compute_are_refused(change, match):
+    """Hugging Face configs whose model differs from ours (biases, another activation, a sliding
+    window) are refused rather than loaded into a model that computes something else."""
+    hf_config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, **change)
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf(hf_config)
+    with pytest.raises(ValueError, match=match):
+        Llama.from_pretrained(transformers.LlamaForCausalLM(hf_config))
+    unaffected = transformers.MistralConfig(vocab_size=97, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=1, sliding_window=None)
+    assert LlamaConfig.from_hf(unaffected).vocab_size == 97
+
+
 def test_rope_stays_float32_in_half_precision_models():
     model = tiny_llama(seed=5)
     positions = torch.tensor([[0, 7, 2000]])
