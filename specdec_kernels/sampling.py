@@ -193,11 +193,19 @@ def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
 
 
 def _check_probs_values(name: str, t: torch.Tensor) -> None:
-    """Value check (reads the tensor on the host): finite and non-negative."""
+    """Value check (reads the tensor on the host): finite, non-negative, and rows summing to 1
+    within max(1e-3, 4 eps of the dtype): rounding each entry of a normalized row moves its sum
+    by at most eps / 2."""
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} contains NaN or inf (pass validate=False to skip this check)")
     if bool((t < 0).any()):
         raise ValueError(f"{name} contains negative probabilities (pass validate=False to skip this check)")
+    if t.numel():
+        tolerance = max(1e-3, 4 * torch.finfo(t.dtype).eps)
+        worst = float((t.sum(-1, dtype=torch.float32) - 1).abs().max())
+        if worst > tolerance:
+            raise ValueError(f"{name} rows must sum to 1 (within {tolerance:g}); one is off by {worst:.3g} "
+                             "(pass validate=False to skip this check)")
 
 
 def _validate_common(
@@ -358,6 +366,8 @@ def _check_sampling_params(
             raise TypeError(f"temperature must be a floating tensor, got {temperature.dtype}")
         if temperature.device != device:
             raise ValueError(f"temperature is on {temperature.device} but the logits are on {device}")
+        device_check((torch.isfinite(temperature) & (temperature >= 0)).all(),
+                     "temperature must be finite and >= 0 in every row")
     elif isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
         if not math.isfinite(temperature) or temperature < 0:
             raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
@@ -488,7 +498,10 @@ def sample_logits(
     probs = process_logits(logits, temperature, top_k, top_p)
     E = _exponential(tuple(probs.shape), generator, probs.device)
     scores = torch.where(probs > 0, probs / E, torch.full_like(probs, -1.0))
-    return scores.argmax(-1)
+    best, token = scores.max(-1)
+    device_check((best > 0).all(), "logits must give every row a token of positive probability "
+                                   "(a row is NaN or all -inf)")
+    return token
 
 
 # --------------------------------------------------------------------------- torch path
@@ -631,8 +644,9 @@ def rejection_sample(
             independent). None of both: torch's global generator.
         noise: explicit random inputs (`RejectionNoise`), for exact tests; overrides
             generator / seed.
-        validate: check values (NaN, inf, negative probabilities, ids and counts out of range);
-            this reads tensors on the host. Default: True for CPU tensors, False otherwise.
+        validate: check values (NaN, inf, negative probabilities, rows not summing to 1, ids and
+            counts out of range); this reads tensors on the host. Default: True for CPU tensors,
+            False otherwise.
             Without validation, emitted ids are still always in ``[0, V)``.
         backend: ``"auto"`` | ``"reference"`` | ``"torch"`` | ``"triton"``.
 
@@ -677,11 +691,10 @@ def rejection_sample(
             noise=noise,
         )
     ids, n, g = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
-    if noise is None or noise.uniform is None:
-        accept = noise.accept if noise is not None else None
+    if noise is None:
         noise = make_rejection_noise(B, K, generator=generator, seed=seed, device=target_probs.device)
-        if accept is not None:
-            noise = noise._replace(accept=accept)
+    elif noise.uniform is None:
+        raise ValueError("the torch backend consumes noise.uniform ([B, 2] float32); it is None")
     return _rejection_sample_torch(target_probs, draft_probs, ids, n, g, greedy is not False, noise)
 
 
@@ -732,10 +745,6 @@ def rejection_sample_logits(
         for name, t in (("target_logits", target_logits), ("draft_logits", draft_logits)):
             if t is not None and bool(torch.isnan(t).any()):
                 raise ValueError(f"{name} contains NaN (pass validate=False to skip this check)")
-        if isinstance(temperature, torch.Tensor) and bool(
-            ((temperature < 0) | ~torch.isfinite(temperature)).any()
-        ):
-            raise ValueError("temperature must be finite and >= 0")
     if backend == "reference":
         from .reference.sampling import rejection_sample_logits as reference
 

@@ -441,6 +441,12 @@ BAD_INPUTS = [
     ),
     pytest.param(dict(draft_probs=torch.full((2, 3, 10), float("inf"))), ValueError, "draft_probs", id="inf"),
     pytest.param(dict(target_probs=torch.full((2, 4, 10), -0.1)), ValueError, "target_probs", id="negative"),
+    pytest.param(dict(target_probs=torch.full((2, 4, 10), 0.2)), ValueError, "target_probs rows must sum to 1",
+                 id="target-not-normalized"),
+    pytest.param(dict(draft_probs=torch.zeros(2, 3, 10)), ValueError, "draft_probs rows must sum to 1",
+                 id="draft-zero-rows"),
+    pytest.param(dict(noise=RejectionNoise(torch.full((2, 3), 0.5)), backend="torch"), ValueError,
+                 "noise.uniform", id="noise-without-uniform"),
     pytest.param(dict(greedy=torch.tensor([1, 0])), ValueError, "greedy", id="greedy-int"),
     pytest.param(dict(seed=1.5), TypeError, "seed", id="seed-float"),
     pytest.param(dict(seed=torch.tensor([1, 2, 3])), ValueError, "seed", id="seed-shape"),
@@ -468,6 +474,8 @@ def test_tensors_on_different_devices_raise():
     [
         pytest.param(dict(temperature=-1.0), ValueError, "temperature", id="T-negative"),
         pytest.param(dict(temperature=torch.ones(3)), ValueError, "temperature", id="T-shape"),
+        pytest.param(dict(temperature=torch.tensor([1.0, -1.0])), ValueError, "temperature", id="T-row-negative"),
+        pytest.param(dict(temperature=torch.tensor([float("nan"), 1.0])), ValueError, "temperature", id="T-row-nan"),
         pytest.param(dict(top_k=0), ValueError, "top_k", id="topk-0"),
         pytest.param(dict(top_p=1.5), ValueError, "top_p", id="topp-range"),
         pytest.param(
@@ -483,6 +491,25 @@ def test_bad_logits_input(change, error, name):
     )
     with pytest.raises(error, match=name):
         rejection_sample_logits(**{**kwargs, **change})
+
+
+@pytest.mark.parametrize("temperature", [torch.tensor([1.0, -1.0]), torch.tensor([float("inf"), 1.0])],
+                         ids=["negative", "inf"])
+def test_bad_temperature_rows_raise(temperature):
+    """A [B] temperature is checked row by row (sync-free), like a float one."""
+    logits = torch.randn(2, 10)
+    for fn in (process_logits, sample_logits):
+        with pytest.raises(ValueError, match="temperature"):
+            fn(logits, temperature)
+
+
+@pytest.mark.parametrize("row", ["nan", "all -inf"])
+def test_sample_logits_refuses_a_row_without_a_distribution(row):
+    """A NaN or all -inf row has no token to sample: an error, not token 0."""
+    logits = torch.randn(3, 10)
+    logits[1] = float("nan") if row == "nan" else float("-inf")
+    with pytest.raises(ValueError, match="logits"):
+        sample_logits(logits, 1.0, generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("poison", ["nan", "inf", "negative", "ids", "counts"])
