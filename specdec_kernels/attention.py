@@ -50,8 +50,8 @@ def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     if q.dtype not in _DTYPES:
         raise ValueError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
     B, T, Hq, D = q.shape
-    if B < 1 or T < 1 or D < 1:
-        raise ValueError(f"q must have B, T, D >= 1, got shape {list(q.shape)}")
+    if min(B, T, Hq, D) < 1:
+        raise ValueError(f"q must have B, T, Hq, D >= 1, got shape {list(q.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
@@ -270,6 +270,9 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     backend = resolve_backend(backend, q.device if isinstance(q, torch.Tensor) else "cpu")
     _, T, _, D, Lmax, _ = _check_ragged_attention_shapes(q, k_cache, v_cache, cache_seqlens, q_seqlens)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
     if plan is not None:
         if not isinstance(plan, RaggedAttentionPlan):
             raise ValueError(f"plan must be a RaggedAttentionPlan or None, got {type(plan).__name__}")

@@ -167,7 +167,7 @@ class KVCache:
                 `DeviceCheckError` (a ValueError) on CPU and is a device-side assert on CUDA;
                 the Triton scatter also masks such writes, so the cache is never corrupted.
         """
-        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in 0..{self.num_layers - 1}, got {layer!r}")
         B, Hkv, D = self.batch_size, self.num_kv_heads, self.head_dim
         for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -236,7 +236,7 @@ class KVCache:
         """Keep only the rows ``rows`` (to drop finished sequences), IN PLACE; returns ``self``.
 
         Args:
-            rows: [B'] integer index tensor (any order, repeats allowed), or a [B] bool mask.
+            rows: [B'] int64 or int32 index tensor (any order, repeats allowed), or a [B] bool mask.
                 An index tensor is sync-free; a bool mask is turned into indices with
                 ``nonzero`` (one host synchronization: the new batch size depends on it).
 
@@ -253,8 +253,8 @@ class KVCache:
                 raise ValueError(f"a bool mask rows must have shape [B] = [{self.batch_size}], "
                                  f"got {list(rows.shape)}")
             rows = rows.nonzero().squeeze(1)
-        elif rows.is_floating_point() or rows.is_complex():
-            raise ValueError(f"rows must be an integer index tensor or a bool mask, got dtype {rows.dtype}")
+        elif rows.dtype not in (torch.int64, torch.int32):  # uint8 is not taken for a mask either
+            raise ValueError(f"rows must be an int64 / int32 index tensor or a bool mask, got dtype {rows.dtype}")
         else:
             device_check(((rows >= 0) & (rows < self.batch_size)).all(),
                          f"KVCache.select: rows must index 0..{self.batch_size - 1}")

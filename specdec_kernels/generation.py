@@ -96,6 +96,10 @@ class GenerationOutput:
 
 # --------------------------------------------------------------------------- drafts
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class PromptLookupDraft:
     """Model-free draft: propose the tokens that followed the most recent earlier occurrence of
@@ -107,8 +111,9 @@ class PromptLookupDraft:
     min_ngram: int = 1
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if not (_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
+            raise ValueError(f"min_ngram and max_ngram must be ints with 1 <= min_ngram <= max_ngram, got "
+                             f"{self.min_ngram!r}, {self.max_ngram!r}")
 
     def propose(self, context: torch.Tensor, context_lengths: torch.Tensor, k: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,7 +239,7 @@ def _check_model(model, name: str) -> None:
 
 
 def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-             seed, max_cache_len, lookahead: int) -> _Request:
+             pad_token_id, seed, max_cache_len, lookahead: int) -> _Request:
     """Validate arguments (on the host, once, before the loop) and compact prompts to the left."""
     _check_model(model, "model")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -244,11 +249,18 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     B, P = input_ids.shape
     if B == 0 or P == 0:
         raise ValueError(f"input_ids must hold at least one non-empty prompt, got shape {tuple(input_ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if isinstance(temperature, torch.Tensor):  # the loop samples with one temperature
+        raise TypeError("temperature must be a float (per-row temperatures: rejection_sample_logits / "
+                        "sample_logits)")
     _check_sampling_params(temperature, top_k, top_p, B, input_ids.device)
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+    if seed is not None and not _is_int(seed):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if pad_token_id is not None and not _is_int(pad_token_id):
+        raise TypeError(f"pad_token_id must be an int or None, got {type(pad_token_id).__name__}")
+    if max_cache_len is not None and (not _is_int(max_cache_len) or max_cache_len < 1):
+        raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
@@ -279,7 +291,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
         raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's max_position_embeddings ({limit})")
     eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos_ids):
+    if not all(_is_int(i) and 0 <= i < vocab for i in eos_ids):
         raise ValueError(f"eos_token_id must be None, an int or ints in [0, {vocab}), got {eos_token_id!r}")
     eos = torch.tensor(eos_ids, dtype=torch.int64, device=input_ids.device)
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real tokens first
@@ -376,7 +388,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     """
     t_start = time.perf_counter()
     request = _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
-                       eos_token_id, seed, max_cache_len, lookahead=0)
+                       eos_token_id, pad_token_id, seed, max_cache_len, lookahead=0)
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
     rows = torch.arange(B, device=device)  # input row of each batch position
@@ -427,7 +439,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     Returns:
         `GenerationOutput`; ``stats`` has acceptance counts, forward counts and phase times.
     """
-    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+    if not _is_int(num_draft_tokens) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
     _check_model(target, "target")
     if isinstance(draft, str) and draft == "prompt_lookup":
@@ -441,7 +453,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     K = num_draft_tokens
     t_start = time.perf_counter()
     request = _prepare(target, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
-                       eos_token_id, seed, max_cache_len, lookahead=K + 1)
+                       eos_token_id, pad_token_id, seed, max_cache_len, lookahead=K + 1)
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
     rows = torch.arange(B, device=device)

@@ -162,8 +162,17 @@ def make_rejection_noise(
         ``[0, 1)`` and, if ``vocab`` is given, ``exponential`` ``[B, V]`` (all float32, > 0).
     """
     device = torch.device(device)
+    for name, value in (("batch", batch), ("num_draft", num_draft)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
+        raise ValueError(f"vocab must be an int >= 1 or None, got {vocab!r}")
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed, not both")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if seed is not None:
+        _check_seed(seed, batch, device, "device")
     exponential = None
     if seed is not None:
         seeds = _row_seeds(seed, batch, device)
@@ -206,6 +215,18 @@ def _check_probs_values(name: str, t: torch.Tensor) -> None:
         if worst > tolerance:
             raise ValueError(f"{name} rows must sum to 1 (within {tolerance:g}); one is off by {worst:.3g} "
                              "(pass validate=False to skip this check)")
+
+
+def _check_seed(seed: int | torch.Tensor, B: int, device: torch.device, on: str) -> None:
+    """``seed`` is an int or a ``[B]`` int64 / int32 tensor on ``device`` (where ``on`` lives)."""
+    if isinstance(seed, torch.Tensor):
+        _check_tensor("seed", seed, 1)
+        if seed.shape[0] != B or seed.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"seed must be an int or a [B] = [{B}] int64 tensor, got {seed.dtype} {tuple(seed.shape)}")
+        if seed.device != device:
+            raise ValueError(f"seed is on {seed.device} but {on} is on {device}")
+    elif not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int or a [B] int64 tensor, got {type(seed).__name__}")
 
 
 def _validate_common(
@@ -284,16 +305,7 @@ def _validate_common(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if seed is not None:
-        if isinstance(seed, torch.Tensor):
-            _check_tensor("seed", seed, 1)
-            if seed.shape[0] != B or seed.dtype not in (torch.int64, torch.int32):
-                raise ValueError(
-                    f"seed must be an int or a [B] = [{B}] int64 tensor, got {seed.dtype} {tuple(seed.shape)}"
-                )
-            if seed.device != device:
-                raise ValueError(f"seed is on {seed.device} but {tname} is on {device}")
-        elif not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"seed must be an int or a [B] int64 tensor, got {type(seed).__name__}")
+        _check_seed(seed, B, device, tname)
     if noise is not None:
         if not isinstance(noise, RejectionNoise):
             raise TypeError(f"noise must be a RejectionNoise, got {type(noise).__name__}")

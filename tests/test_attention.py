@@ -242,6 +242,10 @@ def _bad(name):
         "qlens-zero": ("q_seqlens", torch.tensor([0, 2])),
         "qlens-above-T": ("q_seqlens", torch.tensor([4, 2])),
         "qlens-shape": ("q_seqlens", torch.tensor([3])),
+        "no-heads": ("q", q[:, :, :0]),
+        "scale-nan": ("scale", float("nan")),
+        "scale-negative": ("scale", -1.0),
+        "scale-bool": ("scale", True),
     }[name]
     args[bad[0]] = bad[1]
     return bad[0], args
@@ -249,13 +253,13 @@ def _bad(name):
 
 BAD = ["q-3d", "k-batch", "k-headdim", "v-shape", "heads-not-multiple", "k-dtype", "q-int", "k-device",
        "seqlens-shape", "seqlens-float", "seqlens-above-Lmax", "seqlens-below-qlens", "qlens-zero",
-       "qlens-above-T", "qlens-shape"]
+       "qlens-above-T", "qlens-shape", "no-heads", "scale-nan", "scale-negative", "scale-bool"]
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_raises_value_error_naming_argument(backend, case):
     argument, args = _bad(case)
-    expected = argument if case != "heads-not-multiple" else "Hkv"
+    expected = {"heads-not-multiple": "Hkv", "no-heads": "Hq"}.get(case, argument)
     with pytest.raises(ValueError, match=expected):
         ragged_attention(**args, backend=backend)
 

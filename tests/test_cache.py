@@ -187,13 +187,15 @@ def test_triton_append_bytes_moved(dtype):
     assert minimum <= meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
 
 
-@pytest.mark.parametrize("case", ["layer", "shape", "dtype", "device", "q_seqlens", "T"])
+@pytest.mark.parametrize("case", ["layer", "layer-bool", "shape", "dtype", "device", "q_seqlens", "T"])
 def test_bad_arguments(case):
     cache = KVCache(2, 2, 8, 1, 64)
     k_new = torch.zeros(2, 3, 1, 64)
     args, expected = dict(layer=0, k_new=k_new, v_new=k_new, q_seqlens=None), case
     if case == "layer":
         args["layer"] = 2
+    elif case == "layer-bool":
+        args["layer"], expected = True, "layer"
     elif case == "shape":
         args["k_new"], expected = torch.zeros(2, 3, 2, 64), "k_new"
     elif case == "dtype":
@@ -209,6 +211,8 @@ def test_bad_arguments(case):
         cache.append(**args)
     with pytest.raises(ValueError, match="rows"):
         cache.select(torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="rows"):  # uint8 is neither an index dtype nor taken for a mask
+        cache.select(torch.tensor([1, 0], dtype=torch.uint8))
     with pytest.raises(ValueError, match="max_len"):
         KVCache(1, 1, 0, 1, 64)
 

@@ -281,3 +281,17 @@ def test_bad_input_is_a_clear_error(target):
         speculative_generate(object(), draft, ids, max_new_tokens=4)
     with pytest.raises(TypeError, match="protocol"):
         speculative_generate(target, object(), ids, max_new_tokens=4)
+    # A bool is not taken for an int, nor a tensor temperature for the loop's single temperature.
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(target, ids, max_new_tokens=True)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        speculative_generate(target, draft, ids, max_new_tokens=4, num_draft_tokens=True)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        generate(target, ids, max_new_tokens=4, max_cache_len=64.0)
+    with pytest.raises(TypeError, match="pad_token_id"):
+        generate(target, ids, max_new_tokens=4, pad_token_id=1.0)
+    with pytest.raises(TypeError, match="temperature"):
+        generate(target, ids, max_new_tokens=4, temperature=torch.ones(2))
+    for min_ngram, max_ngram in ((True, 3), (1, 2.5), (2, 1), (0, 2)):
+        with pytest.raises(ValueError, match="min_ngram"):
+            PromptLookupDraft(max_ngram=max_ngram, min_ngram=min_ngram)

@@ -493,6 +493,19 @@ def test_bad_logits_input(change, error, name):
         rejection_sample_logits(**{**kwargs, **change})
 
 
+@pytest.mark.parametrize("kwargs,error,name", [
+    (dict(batch=2, num_draft=3, seed=torch.tensor([5])), ValueError, "seed"),
+    (dict(batch=2, num_draft=3, seed=1.5), TypeError, "seed"),
+    (dict(batch=2, num_draft=-1), ValueError, "num_draft"),
+    (dict(batch=True, num_draft=3), ValueError, "batch"),
+    (dict(batch=2, num_draft=3, vocab=0), ValueError, "vocab"),
+    (dict(batch=2, num_draft=3, generator=0), TypeError, "generator"),
+], ids=["seed-shape", "seed-float", "num-draft-negative", "batch-bool", "vocab-zero", "generator-type"])
+def test_make_rejection_noise_bad_input(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        make_rejection_noise(**kwargs)
+
+
 @pytest.mark.parametrize("temperature", [torch.tensor([1.0, -1.0]), torch.tensor([float("inf"), 1.0])],
                          ids=["negative", "inf"])
 def test_bad_temperature_rows_raise(temperature):
