@@ -24,12 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec_kernels._backend import TRITON_HEAD_DIMS as HEAD_DIMS
 from specdec_kernels._backend import interpreter_enabled
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
 
-#: Head dims the Triton path is compiled for (registered specializations).
-HEAD_DIMS = (64, 80, 96, 128)
 #: Upper bound of splits per row (the merge kernel reads one block of this many partials).
 MAX_SPLITS = 64
 MERGE_WARPS = 4

@@ -12,10 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .registry import KernelSpec, register, torch_dtype_to_triton
+from specdec_kernels._backend import TRITON_HEAD_DIMS as HEAD_DIMS
 
-#: Head dims the append kernel is compiled for (same set as the attention kernel).
-HEAD_DIMS = (64, 80, 96, 128)
+from .registry import KernelSpec, register, torch_dtype_to_triton
 
 
 @triton.jit

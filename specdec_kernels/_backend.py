@@ -36,21 +36,28 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def auto_backend(device: torch.device | str) -> str:
-    """The backend ``backend="auto"`` picks for tensors on ``device``."""
+#: Head dims the Triton attention and cache kernels are compiled for (``"auto"`` runs other head
+#: dims on the torch path).
+TRITON_HEAD_DIMS = (64, 80, 96, 128)
+
+
+def auto_backend(device: torch.device | str, head_dim: int | None = None) -> str:
+    """The backend ``backend="auto"`` picks for tensors on ``device`` (and, for the attention and
+    cache ops, heads of ``head_dim`` channels)."""
     device = torch.device(device)
-    return "triton" if device.type == "cuda" and triton_available() else "torch"
+    triton_ok = device.type == "cuda" and triton_available()
+    return "triton" if triton_ok and (head_dim is None or head_dim in TRITON_HEAD_DIMS) else "torch"
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """Validate ``backend`` for tensors on ``device`` and resolve ``"auto"``.
+def resolve_backend(backend: str, device: torch.device | str, head_dim: int | None = None) -> str:
+    """Validate ``backend`` for tensors on ``device`` and resolve ``"auto"`` (see `auto_backend`).
 
     Raises:
         ValueError: unknown backend name, or ``"triton"`` where it cannot run.
     """
     device = torch.device(device)
     if backend == "auto":
-        return auto_backend(device)
+        return auto_backend(device, head_dim)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     if backend == "triton":

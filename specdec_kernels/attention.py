@@ -256,8 +256,8 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             appended), in ``q_seqlens[b] .. Lmax``.
         q_seqlens: [B] integer in ``1 .. T``: real queries per row; None means T for every row.
         scale: softmax scale, default ``1 / sqrt(D)``.
-        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"reference"``, ``"torch"`` or
-            ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA for head dims 64, 80, 96 and 128, torch elsewhere),
+            ``"reference"``, ``"torch"`` or ``"triton"``.
         plan: a `RaggedAttentionPlan` for these ``cache_seqlens`` / ``q_seqlens`` (the same
             tensors), shared by calls with the same lengths; None makes one for this call.
 
@@ -268,8 +268,8 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ValueError: a shape, head count, dtype or device mismatch, naming the argument; on CPU
             also out-of-range lengths (`DeviceCheckError`); on CUDA those are device asserts.
     """
-    backend = resolve_backend(backend, q.device if isinstance(q, torch.Tensor) else "cpu")
     _, T, _, D, Lmax, _ = _check_ragged_attention_shapes(q, k_cache, v_cache, cache_seqlens, q_seqlens)
+    backend = resolve_backend(backend, q.device, head_dim=D)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")

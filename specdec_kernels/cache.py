@@ -159,7 +159,8 @@ class KVCache:
             q_seqlens: [B] integer in ``0 .. T`` (or an int), default T.
             plan: from `plan_append` (made once for all layers of a forward pass, with the
                 same lengths); then ``q_seqlens`` must be None (the plan holds it).
-            backend: ``"auto"`` (a Triton scatter on CUDA, an ``index_put_`` elsewhere),
+            backend: ``"auto"`` (a Triton scatter on CUDA for head dims 64, 80, 96 and 128, an
+                ``index_put_`` elsewhere),
                 ``"torch"``, ``"triton"``; ``"reference"`` means ``"torch"`` here.
 
         Raises:
@@ -193,7 +194,7 @@ class KVCache:
                              "(advance, crop, select): make a new one with plan_append")
         elif plan.num_new != k_new.shape[1]:
             raise ValueError(f"plan was made for T={plan.num_new}; k_new has shape {list(k_new.shape)}")
-        backend = resolve_backend("torch" if backend == "reference" else backend, self.device)
+        backend = resolve_backend("torch" if backend == "reference" else backend, self.device, head_dim=D)
         if backend == "triton":
             from .kernels.cache import append_triton
 
