@@ -44,7 +44,14 @@ def _num_splits(length, max_splits, min_chunk, BN: tl.constexpr):
     return tl.cdiv(length, chunk), chunk
 
 
-@triton.jit
+# Integer arguments are never specialized (Triton would otherwise compile separate variants for
+# values equal to 1, such as T in decoding, or divisible by 16): the launched kernels are exactly
+# the registered, compile-checked specializations.
+_FWD_INTS = ["has_q_seqlens", "T", "G", "num_row_blocks", "max_splits", "min_chunk"]
+_MERGE_INTS = ["has_q_seqlens", "T", "G", "max_splits", "min_chunk"]
+
+
+@triton.jit(do_not_specialize=_FWD_INTS)
 def _ragged_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, cache_seqlens_ptr, q_seqlens_ptr,
     has_q_seqlens, T, G, num_row_blocks, max_splits, min_chunk, scale_log2e,
@@ -126,7 +133,7 @@ def _ragged_attn_fwd_kernel(
         tl.store(lse_part_ptr + base + o_m, lse, mask=m_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_MERGE_INTS)
 def _ragged_attn_merge_kernel(
     out_ptr, o_part_ptr, lse_part_ptr, cache_seqlens_ptr, q_seqlens_ptr, has_q_seqlens,
     T, G, max_splits, min_chunk, stride_ob, stride_ot, stride_oh,
@@ -260,7 +267,7 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _register() -> None:
-    ints = ("has_q_seqlens", "T", "G", "num_row_blocks", "max_splits", "min_chunk")
+    ints = _FWD_INTS
     strides = ("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
                "stride_vb", "stride_vl", "stride_vh", "stride_ob", "stride_ot", "stride_oh")
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -291,8 +298,7 @@ def _register() -> None:
                     aligned=pointers + strides))
                 merge_sig = {"out_ptr": ptr, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
                              "cache_seqlens_ptr": "*i64", "q_seqlens_ptr": "*i64",
-                             **{n: "i32" for n in ("has_q_seqlens", "T", "G", "max_splits", "min_chunk",
-                                                   "stride_ob", "stride_ot", "stride_oh")},
+                             **{n: "i32" for n in (*_MERGE_INTS, "stride_ob", "stride_ot", "stride_oh")},
                              "D": "constexpr", "BD": "constexpr", "BN": "constexpr", "BS": "constexpr"}
                 register(KernelSpec(
                     f"attention[merge,{short[dtype]},D={D},BN={cfg['BN']}]", _ragged_attn_merge_kernel,

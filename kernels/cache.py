@@ -17,7 +17,7 @@ from specdec_kernels._backend import TRITON_HEAD_DIMS as HEAD_DIMS
 from .registry import KernelSpec, register, torch_dtype_to_triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["has_q_seqlens", "T", "max_len"])  # launched = registered (see attention)
 def _kv_append_kernel(
     k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, lengths_ptr, q_seqlens_ptr, has_q_seqlens, T, max_len,
     stride_kcb, stride_kcl, stride_kch, stride_vcb, stride_vcl, stride_vch,

@@ -53,21 +53,23 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Per-call runtime flags (never specialized, so one compiled kernel serves every call). Row
 #: inputs that are not given as tensors (counts, greedy flags, seeds) come in as scalars, so a call
 #: needs no extra launches to materialize them.
-_FLAGS = ["has_n", "has_greedy", "greedy_all", "has_row_seed", "seed_base"]
+_FLAGS = ["has_n", "has_greedy", "greedy_all", "has_row_seed", "seed_hi", "seed_lo"]
 #: Shapes and strides of the target / draft rows (never specialized either).
 _ROW_SHAPES = ["K", "V", "stride_tb", "stride_tk", "stride_db", "stride_dk"]
 
 
 @triton.jit
 def _row_inputs(
-    i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_base
+    i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_hi, seed_lo
 ):
-    """(draft count clamped to [0, K], sampled-row flag, Philox seed) of row ``i_b``."""
+    """(draft count clamped to [0, K], sampled-row flag, Philox seed) of row ``i_b``. An int seed
+    comes in as two int32 halves, so every launch has the registered argument types."""
     n = tl.load(n_ptr + i_b, mask=has_n != 0, other=0).to(tl.int32)
     n = tl.minimum(tl.maximum(tl.where(has_n != 0, n, K), 0), K)
     g = tl.load(greedy_ptr + i_b, mask=has_greedy != 0, other=0)
     sampled = (g == 0) & (greedy_all == 0)
     row_seed = tl.load(seed_ptr + i_b, mask=(has_row_seed != 0) & (use_noise == 0), other=0)
+    seed_base = (seed_hi.to(tl.int64) << 32) | (seed_lo.to(tl.int64) & 0xFFFFFFFF)
     seed = tl.where(has_row_seed != 0, row_seed, seed_base + i_b)
     return n, sampled, seed
 
@@ -154,14 +156,16 @@ def _rejection_sample_kernel(
     has_greedy,
     greedy_all,
     has_row_seed,
-    seed_base,
+    seed_hi,
+    seed_lo,
     HAS_DRAFT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     n, sampled, seed = _row_inputs(
-        i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_base
+        i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_hi,
+        seed_lo,
     )
     noisy = use_noise != 0
     p_t = target_ptr + i_b * stride_tb
@@ -290,7 +294,8 @@ def _rejection_sample_logits_kernel(
     has_greedy,
     greedy_all,
     has_row_seed,
-    seed_base,
+    seed_hi,
+    seed_lo,
     has_thr,
     has_temp_rows,
     temp_scalar,
@@ -300,7 +305,8 @@ def _rejection_sample_logits_kernel(
 ):
     i_b = tl.program_id(0).to(tl.int64)
     n, sampled, seed = _row_inputs(
-        i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_base
+        i_b, K, n_ptr, greedy_ptr, seed_ptr, use_noise, has_n, has_greedy, greedy_all, has_row_seed, seed_hi,
+        seed_lo,
     )
     # Temperature 0 means greedy; other rows divide their logits by the temperature.
     T, D = _row_divisor(i_b, temp_ptr, has_temp_rows, temp_scalar)
@@ -548,7 +554,7 @@ def _signature(kind: str, dtype: torch.dtype) -> dict[str, str]:
         return {**rows, "temp_ptr": "*fp32", "thr_t_ptr": "*fp32", "thr_d_ptr": "*fp32", **shapes, **temperature,
                 "top_k": "i32", "top_p": "fp32", "BT": "constexpr", "BP": "constexpr"}
     common_in = {**rows, "ids_ptr": "*i64", "n_ptr": "*i64", "greedy_ptr": "*u8"}
-    ints = {**shapes, "use_noise": "i32", **dict.fromkeys(_FLAGS[:-1], "i32"), "seed_base": "i64"}
+    ints = {**shapes, "use_noise": "i32", **dict.fromkeys(_FLAGS, "i32")}
     const = {"HAS_DRAFT": "constexpr", "BK": "constexpr", "BV": "constexpr"}
     rand = {"seed_ptr": "*i64", "accept_ptr": "*fp32", "exp_ptr": "*fp32"}
     out = {"token_ptr": "*i64", "num_acc_ptr": "*i64"}
@@ -628,7 +634,9 @@ def _row_args(
     else:
         seeds, has_row_seed = torch.randint(0, 2**62, (B,), device=device, generator=generator), True
     pointers = [n_arg, greedy_arg, seeds, accept, exp]
-    scalars = [int(use_noise), int(has_n), int(has_greedy), greedy_all, int(has_row_seed), seed_base]
+    # An int seed as two int32 halves (Triton types a Python int by its value: i32 or i64).
+    seed_lo = (seed_base & 0xFFFFFFFF) - ((seed_base & 0x80000000) << 1)
+    scalars = [int(use_noise), int(has_n), int(has_greedy), greedy_all, int(has_row_seed), seed_base >> 32, seed_lo]
     return pointers, scalars
 
 

@@ -227,6 +227,8 @@ def _check_seed(seed: int | torch.Tensor, B: int, device: torch.device, on: str)
             raise ValueError(f"seed is on {seed.device} but {on} is on {device}")
     elif not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int or a [B] int64 tensor, got {type(seed).__name__}")
+    elif not -(2**63) <= seed < 2**63 - B:
+        raise ValueError(f"seed must fit int64 (per-row seeds are seed + b), got {seed}")
 
 
 def _validate_common(
