@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from specdec_kernels._backend import TRITON_HEAD_DIMS as HEAD_DIMS
-from specdec_kernels._backend import interpreter_enabled
+from specdec_kernels._backend import interpreter_enabled, on_input_device
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
 
@@ -208,6 +208,7 @@ def _max_splits(batch: int, programs_per_row: int, max_len: int, min_chunk: int,
     return max(1, min(MAX_SPLITS, want, triton.cdiv(max_len, min_chunk)))
 
 
+@on_input_device
 def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, scale: float, *,
                             max_splits: int | None = None, min_chunk: int | None = None) -> torch.Tensor:

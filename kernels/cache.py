@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from specdec_kernels._backend import TRITON_HEAD_DIMS as HEAD_DIMS
+from specdec_kernels._backend import on_input_device
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
 
@@ -42,6 +43,7 @@ def append_config(head_dim: int) -> dict[str, int]:
     return dict(BD=max(16, triton.next_power_of_2(head_dim)), num_warps=1)
 
 
+@on_input_device
 def append_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   lengths: torch.Tensor, q_seqlens: torch.Tensor | None) -> None:
     """Scatter validated ``k_new``/``v_new`` [B, T, Hkv, D] into ``k_cache``/``v_cache``

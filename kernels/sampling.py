@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec_kernels._backend import on_input_device
 from specdec_kernels.sampling import RejectionNoise, RejectionOutput
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
@@ -651,6 +652,7 @@ def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+@on_input_device
 def rejection_sample_triton(
     target: torch.Tensor,
     draft: torch.Tensor | None,
@@ -706,6 +708,7 @@ def _temperature_args(temperature: float | torch.Tensor, device: torch.device) -
     return torch.empty(1, dtype=torch.float32, device=device), 0, float(temperature)
 
 
+@on_input_device
 def logit_thresholds_triton(
     target: torch.Tensor,
     draft: torch.Tensor | None,
@@ -765,6 +768,7 @@ def logit_thresholds_triton(
     return thr_t, thr_d
 
 
+@on_input_device
 def rejection_sample_logits_triton(
     target: torch.Tensor,
     draft: torch.Tensor | None,
@@ -833,6 +837,7 @@ def rejection_sample_logits_triton(
     return RejectionOutput(tokens, num_acc)
 
 
+@on_input_device
 def first_rejection_index_triton(accepted: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Launch `_first_rejection_kernel`: ``[B, K]`` bool, ``[B]`` int64 -> ``[B]`` int64."""
     B, K = accepted.shape

@@ -12,6 +12,7 @@ Each public op accepts ``backend=`` with one of:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -104,3 +105,17 @@ def device_check(condition: torch.Tensor, message: str) -> None:
         torch._assert_async(condition, message)
     except RuntimeError as e:
         raise DeviceCheckError(message) from e
+
+
+def on_input_device(launcher):
+    """Decorate a kernel launcher so it runs with its first tensor argument's CUDA device current:
+    Triton launches on the current device, whatever device the tensors are on (a model on
+    ``cuda:1`` would otherwise run its kernels on GPU 0 against GPU 1's memory)."""
+
+    @functools.wraps(launcher)
+    def launch(*args, **kwargs):
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return launcher(*args, **kwargs)
+
+    return launch

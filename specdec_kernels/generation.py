@@ -158,17 +158,19 @@ class _PhaseTimer:
     timing adds no synchronization inside the loop)."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self.host: dict[str, float] = {}
         self.events: dict[str, list] = {}
 
     @contextmanager
     def __call__(self, phase: str):
-        if self.cuda:
+        if self.cuda:  # events on the tensors' device, which need not be the current one
+            stream = torch.cuda.current_stream(self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self.events.setdefault(phase, []).append((start, end))
         else:
             t0 = time.perf_counter()
@@ -177,7 +179,7 @@ class _PhaseTimer:
 
     def seconds(self, phase: str) -> float:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             return sum(s.elapsed_time(e) for s, e in self.events.get(phase, [])) / 1e3
         return self.host.get(phase, 0.0)
 

@@ -36,3 +36,27 @@ def test_auto_on_cuda_uses_torch_for_head_dims_the_kernels_lack():
     assert [auto_backend("cuda", head_dim=d) for d in (16, 64, 80, 256)] == ["torch", "triton", "triton", "torch"]
     assert resolve_backend("auto", "cuda", head_dim=32) == "torch"
     assert auto_backend("cpu", head_dim=64) == "torch"
+
+
+def test_launchers_make_their_tensors_cuda_device_current(monkeypatch):
+    """Triton launches on the current CUDA device: every launcher switches to its tensors' device
+    (seen here through a recording torch.cuda.device and a tensor that reports cuda:1)."""
+    import contextlib
+
+    from specdec_kernels._backend import on_input_device
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: (entered.append(d), contextlib.nullcontext())[1])
+
+    class OnSecondGpu(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 1)
+
+    @on_input_device
+    def launcher(scale, x):
+        return "launched"
+
+    assert launcher(0.5, torch.empty(0).as_subclass(OnSecondGpu)) == "launched"
+    assert entered == [torch.device("cuda", 1)]
+    assert launcher(0.5, torch.empty(0)) == "launched" and len(entered) == 1  # CPU tensors: no switch
