@@ -240,6 +240,16 @@ def _check_model(model, name: str) -> None:
                             f".new_cache(batch_size, max_len)); it has no {attribute!r}")
 
 
+def _new_cache(model, name: str, batch_size: int, max_len: int, device: torch.device):
+    """``model.new_cache(...)``, refusing a cache on another device than the input ids."""
+    cache = model.new_cache(batch_size, max_len)
+    lengths = getattr(cache, "lengths", None)
+    if isinstance(lengths, torch.Tensor) and lengths.device != device:
+        raise ValueError(f"input_ids is on {device} but the {name}'s cache is on {lengths.device}: "
+                         "move input_ids and attention_mask to the model's device")
+    return cache
+
+
 def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
              pad_token_id, seed, max_cache_len, lookahead: int) -> _Request:
     """Validate arguments (on the host, once, before the loop) and compact prompts to the left."""
@@ -324,7 +334,7 @@ class _Outputs:
         offsets = torch.arange(new.shape[1], device=new.device)
         counts = self.counts[rows]
         kept = (offsets < num_new[:, None]) & (counts[:, None] + offsets < self.max_new)
-        is_eos = torch.isin(new, eos) & kept
+        is_eos = (new[..., None] == eos).any(-1) & kept  # torch.isin syncs for long EOS lists
         kept &= (is_eos.cumsum(1) - is_eos.long()) == 0  # nothing after the first EOS
         columns = torch.where(kept, counts[:, None] + offsets, self.max_new)
         self.tokens[rows[:, None], columns] = new
@@ -394,7 +404,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
     rows = torch.arange(B, device=device)  # input row of each batch position
-    cache = model.new_cache(B, request.max_len)
+    cache = _new_cache(model, "model", B, request.max_len, device)
     with timer("prefill"):
         logits = _last_logits(model, request.prompt, cache, request.prompt_lengths, request.prompt_tokens)
     stats.target_forwards += 1
@@ -460,7 +470,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
     rows = torch.arange(B, device=device)
 
-    target_cache = target.new_cache(B, request.max_len)
+    target_cache = _new_cache(target, "target", B, request.max_len, device)
     with timer("prefill"):
         logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths, request.prompt_tokens)
     stats.target_forwards += 1
@@ -469,7 +479,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         context[:, : request.prompt.shape[1]] = request.prompt
         context_lengths = request.prompt_lengths.clone()
     else:
-        draft_cache = draft.new_cache(B, request.max_len)
+        draft_cache = _new_cache(draft, "draft", B, request.max_len, device)
         with timer("prefill"):
             draft_prefill = _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths,
                                          request.prompt_tokens)

@@ -169,8 +169,7 @@ def make_rejection_noise(
         raise ValueError(f"vocab must be an int >= 1 or None, got {vocab!r}")
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed, not both")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    _check_generator(generator, device)
     if seed is not None:
         _check_seed(seed, batch, device, "device")
     exponential = None
@@ -215,6 +214,16 @@ def _check_probs_values(name: str, t: torch.Tensor) -> None:
         if worst > tolerance:
             raise ValueError(f"{name} rows must sum to 1 (within {tolerance:g}); one is off by {worst:.3g} "
                              "(pass validate=False to skip this check)")
+
+
+def _check_generator(generator: torch.Generator | None, device: torch.device) -> None:
+    """``generator`` is None or a torch.Generator for ``device``'s kind (cpu / cuda)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if generator.device.type != device.type:
+        raise ValueError(f"generator is a {generator.device.type} generator but the tensors are on {device}")
 
 
 def _check_seed(seed: int | torch.Tensor, B: int, device: torch.device, on: str) -> None:
@@ -304,8 +313,7 @@ def _validate_common(
         raise TypeError(f"greedy must be a bool or a [B] bool tensor, got {type(greedy).__name__}")
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed, not both")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    _check_generator(generator, device)
     if seed is not None:
         _check_seed(seed, B, device, tname)
     if noise is not None:
@@ -506,6 +514,7 @@ def sample_logits(
         ``[B]`` int64 token ids in ``[0, V)``.
     """
     _check_tensor("logits", logits, 2)
+    _check_generator(generator, logits.device)
     if not isinstance(temperature, torch.Tensor) and temperature == 0:
         _check_sampling_params(temperature, top_k, top_p, logits.shape[0], logits.device)
         return logits.argmax(-1)  # greedy: filters keep the argmax, no randomness to draw

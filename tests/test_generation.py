@@ -292,6 +292,8 @@ def test_bad_input_is_a_clear_error(target):
         generate(target, ids, max_new_tokens=4, pad_token_id=1.0)
     with pytest.raises(TypeError, match="temperature"):
         generate(target, ids, max_new_tokens=4, temperature=torch.ones(2))
+    with pytest.raises(ValueError, match="cache is on meta"):  # ids on the CPU, the model elsewhere
+        generate(tiny_llama().to("meta"), ids, max_new_tokens=4)
     for min_ngram, max_ngram in ((True, 3), (1, 2.5), (2, 1), (0, 2)):
         with pytest.raises(ValueError, match="min_ngram"):
             PromptLookupDraft(max_ngram=max_ngram, min_ngram=min_ngram)

@@ -462,6 +462,16 @@ def test_bad_input_raises_naming_the_argument(change, error, name):
         rejection_sample(**kwargs)
 
 
+def test_generator_for_another_device_raises():
+    kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _good().items()}
+    with pytest.raises(ValueError, match="generator"):
+        rejection_sample(**kwargs, generator=torch.Generator(), backend="torch")
+    with pytest.raises(ValueError, match="generator"):
+        sample_logits(torch.zeros(2, 10, device="meta"), generator=torch.Generator())
+    with pytest.raises(ValueError, match="generator"):
+        make_rejection_noise(2, 3, device="meta", generator=torch.Generator())
+
+
 def test_tensors_on_different_devices_raise():
     kwargs = _good()
     kwargs["draft_probs"] = kwargs["draft_probs"].to("meta")
