@@ -37,7 +37,9 @@ class GenerationStats:
         num_generated: tokens generated per row (EOS included, if emitted).
         num_steps: decoding steps per row (target forwards after the prefill).
         num_proposed: draft tokens proposed per row (speculative only).
-        num_accepted: draft tokens accepted per row (speculative only).
+        num_accepted: draft tokens the verification accepted per row (speculative only). Accepted
+            tokens that EOS or the token budget then cut off count too: this measures the draft,
+            so ``num_generated`` can be less than ``num_accepted + num_steps``.
         target_forwards, draft_forwards: batched forward calls, the prefill included.
         time_prefill_s: prompt prefill of target and draft.
         time_target_s, time_draft_s, time_sampler_s: decoding steps' target forwards, drafting
