@@ -11,7 +11,9 @@ and speculative decoding and prints the text, the acceptance rate, tokens/s of b
 from __future__ import annotations
 
 import argparse
+import math
 import platform
+import re
 import sys
 from collections.abc import Sequence
 
@@ -87,7 +89,11 @@ def run_demo(args: argparse.Namespace) -> int:
     except ModelNotInstalledError as e:
         print(f"\n{e}", file=sys.stderr)
         return 2
-    draft = make_draft(args.draft, model)
+    try:
+        draft = make_draft(args.draft, model)
+    except ValueError as e:  # layers:N past the model's depth
+        print(f"\n--draft {args.draft}: {e}", file=sys.stderr)
+        return 2
     prompts = list(args.prompt or DEMO_PROMPTS)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) for p in prompts]
@@ -128,6 +134,30 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_demo_args(demo: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad option values before the model loads (``demo.error`` exits with the usage)."""
+    import torch
+
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("-k/--num-draft-tokens", args.k),
+                        ("--batch-size", args.batch_size)):
+        if value < 1:
+            demo.error(f"{flag} must be >= 1, got {value}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        demo.error(f"--temperature must be finite and >= 0, got {args.temperature}")
+    if not re.fullmatch(r"prompt_lookup|layers:[1-9][0-9]*", args.draft):
+        demo.error(f"--draft must be 'prompt_lookup' or 'layers:N' with N >= 1, got {args.draft!r}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        demo.error(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        demo.error(f"--device must be 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        demo.error(f"--device {args.device}: this torch build sees no CUDA GPU (torch {torch.__version__})")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        demo.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec_kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,8 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command is None:
         args = demo.parse_args([])
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    _check_demo_args(demo, args)
     print(describe_environment().splitlines()[2])
     return run_demo(args)
 

