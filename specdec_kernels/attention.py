@@ -179,7 +179,7 @@ class RaggedAttentionPlan:
         """The CPU path's masks, built on the first call: ``hidden`` [B, 1, T, 1, Lmax] bool (keys
         a query must not see), ``keep`` [B, Lmax, 1, 1] int32 (-1 on valid keys, 0 beyond the
         row's length) and ``padding`` [B, T, 1, 1, 1] bool (query rows past q_seqlens; None
-        without)."""
+        without q_seqlens or with T = 1)."""
         if self._masks is None:
             B, T, device = self.batch_size, self.num_queries, self.cache_seqlens.device
             lengths = self.cache_seqlens.view(B, 1)
@@ -191,7 +191,8 @@ class RaggedAttentionPlan:
             last = lengths - n + steps                                              # [B, T]
             hidden = (keys > last.unsqueeze(2)).view(B, 1, T, 1, self.max_len)
             keep = -(keys < lengths).view(torch.int8).to(torch.int32).view(B, self.max_len, 1, 1)
-            padding = None if self.q_seqlens is None else (steps >= n).view(B, T, 1, 1, 1)
+            # With T = 1 every row has its one query (q_seqlens lies in 1..T): nothing to zero.
+            padding = None if self.q_seqlens is None or T == 1 else (steps >= n).view(B, T, 1, 1, 1)
             self._masks = hidden, keep, padding
         return self._masks
 
