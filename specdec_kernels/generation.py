@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import _check_sampling_params, rejection_sample_logits, sample_logits
+from .sampling import _check_sampling_params, _is_int, rejection_sample_logits, sample_logits
 
 # --------------------------------------------------------------------------- results
 
@@ -97,10 +97,6 @@ class GenerationOutput:
 
 
 # --------------------------------------------------------------------------- drafts
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 @dataclass
 class PromptLookupDraft:
@@ -265,6 +261,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
         raise ValueError(f"input_ids must hold at least one non-empty prompt, got shape {tuple(input_ids.shape)}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)  # NumPy ints become Python ints from here on
     if isinstance(temperature, torch.Tensor):  # the loop samples with one temperature
         raise TypeError("temperature must be a float (per-row temperatures: rejection_sample_logits / "
                         "sample_logits)")
@@ -275,6 +272,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
         raise TypeError(f"pad_token_id must be an int or None, got {type(pad_token_id).__name__}")
     if max_cache_len is not None and (not _is_int(max_cache_len) or max_cache_len < 1):
         raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
+    max_cache_len = None if max_cache_len is None else int(max_cache_len)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
@@ -304,7 +302,8 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     if limit is not None and int(lengths.max()) + max_new_tokens > limit:
         raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's max_position_embeddings ({limit})")
-    eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    eos_ids = ([] if eos_token_id is None else list(eos_token_id) if isinstance(eos_token_id, Sequence)
+               else [eos_token_id])
     if not all(_is_int(i) and 0 <= i < vocab for i in eos_ids):
         raise ValueError(f"eos_token_id must be None, an int or ints in [0, {vocab}), got {eos_token_id!r}")
     eos = torch.tensor(eos_ids, dtype=torch.int64, device=input_ids.device)
@@ -404,7 +403,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     request = _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
                        eos_token_id, pad_token_id, seed, max_cache_len, lookahead=0)
     device, B = input_ids.device, input_ids.shape[0]
-    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
+    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
     rows = torch.arange(B, device=device)  # input row of each batch position
     cache = _new_cache(model, "model", B, request.max_len, device)
     with timer("prefill"):
@@ -464,12 +463,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft.vocab_size}, "
                              f"target.vocab_size={target.vocab_size}")
-    K = num_draft_tokens
+    K = int(num_draft_tokens)
     t_start = time.perf_counter()
     request = _prepare(target, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
                        eos_token_id, pad_token_id, seed, max_cache_len, lookahead=K + 1)
     device, B = input_ids.device, input_ids.shape[0]
-    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, max_new_tokens, device)
+    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
     rows = torch.arange(B, device=device)
 
     target_cache = _new_cache(target, "target", B, request.max_len, device)
@@ -477,7 +476,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths, request.prompt_tokens)
     stats.target_forwards += 1
     if lookup:  # token history: prompt, then everything emitted
-        context = torch.zeros(B, request.prompt.shape[1] + max_new_tokens + K + 1, dtype=torch.int64, device=device)
+        context = torch.zeros(B, request.prompt.shape[1] + request.max_new_tokens + K + 1, dtype=torch.int64,
+                              device=device)
         context[:, : request.prompt.shape[1]] = request.prompt
         context_lengths = request.prompt_lengths.clone()
     else:

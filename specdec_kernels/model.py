@@ -68,10 +68,11 @@ class LlamaConfig:
                 raise ValueError(f"{key}=True is not supported (the built-in Llama has no biases)")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (the built-in Llama uses silu)")
+        # Sliding-window attention equals full attention up to the window: cap the context there
+        # (Mistral-7B-v0.1: window 4096 of 32768), so `generate` refuses longer sequences.
         window = d.get("sliding_window")
         if window is not None and window < d.get("max_position_embeddings", 2048):
-            raise ValueError(f"sliding_window={window} is not supported (the built-in Llama attends to "
-                             f"every earlier token, up to max_position_embeddings)")
+            d = {**d, "max_position_embeddings": window}
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if rope.get("rope_type", rope.get("type", "default")) == "default":

@@ -54,17 +54,22 @@ def _is_complete(folder: Path) -> bool:
 
 @contextlib.contextmanager
 def _conversion_lock(folder: Path):
-    """Hold an exclusive lock on ``folder`` / .lock (where ``fcntl`` exists), so two processes
-    never convert into the same cache at once."""
+    """Hold an exclusive lock on ``folder`` / .lock, so two processes never convert into the same
+    cache at once. Yields whether the lock is held: not without ``fcntl`` (Windows) or where the
+    file system refuses locks (some network file systems)."""
     try:
         import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
+    except ImportError:
+        yield False
         return
     with open(folder / f".{SMOLLM2_NAME}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -90,11 +95,12 @@ def smollm2_folder() -> Path:
     except OSError as e:
         raise ModelNotInstalledError(f"cannot write the converted model to {folder} ({e}); set "
                                      "SPECDEC_KERNELS_CACHE to a writable folder") from e
-    with _conversion_lock(folder):
+    with _conversion_lock(folder) as locked:
         if _is_complete(target):  # another process converted it while we waited
             return target
-        for stale in folder.glob(f".{SMOLLM2_NAME}-tmp-*"):  # left by a crashed conversion
-            shutil.rmtree(stale, ignore_errors=True)
+        if locked:  # no other conversion runs: temp folders are leftovers of crashed ones
+            for stale in folder.glob(f".{SMOLLM2_NAME}-tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -103,8 +109,9 @@ def smollm2_folder() -> Path:
         try:
             Llama.from_pretrained(hf_model).save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            shutil.rmtree(target, ignore_errors=True)  # an incomplete folder (we hold the lock)
-            os.replace(tmp, target)  # atomic: a crashed conversion never leaves a half-written cache
+            if not _is_complete(target):  # (without the lock, another process may have finished first)
+                shutil.rmtree(target, ignore_errors=True)  # an incomplete folder
+                os.replace(tmp, target)  # atomic: a crashed conversion never leaves a half-written cache
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -38,6 +38,7 @@ noise explicitly to compare it with the reference token for token.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -163,15 +164,16 @@ def make_rejection_noise(
     """
     device = torch.device(device)
     for name, value in (("batch", batch), ("num_draft", num_draft)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not _is_int(value) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
+    if vocab is not None and (not _is_int(vocab) or vocab < 1):
         raise ValueError(f"vocab must be an int >= 1 or None, got {vocab!r}")
+    batch, num_draft, vocab = int(batch), int(num_draft), None if vocab is None else int(vocab)
     if generator is not None and seed is not None:
         raise ValueError("pass either generator or seed, not both")
     _check_generator(generator, device)
     if seed is not None:
-        _check_seed(seed, batch, device, "device")
+        _check_seed(seed, batch, None, "device")  # a seed tensor is moved to ``device``
     exponential = None
     if seed is not None:
         seeds = _row_seeds(seed, batch, device)
@@ -200,19 +202,21 @@ def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
     return t
 
 
-def _check_probs_values(name: str, t: torch.Tensor) -> None:
-    """Value check (reads the tensor on the host): finite, non-negative, and rows summing to 1
-    within max(1e-3, 4 eps of the dtype): rounding each entry of a normalized row moves its sum
-    by at most eps / 2."""
+def _check_probs_values(name: str, t: torch.Tensor, used: torch.Tensor) -> None:
+    """Value check (reads the tensor on the host): finite and non-negative everywhere, and the
+    rows the sampler uses (``used``, [B, positions] bool) summing to 1 within rounding:
+    max(1e-3, 4 eps) plus, for fp16, the absolute error of subnormal entries (2**-25 each)."""
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} contains NaN or inf (pass validate=False to skip this check)")
     if bool((t < 0).any()):
         raise ValueError(f"{name} contains negative probabilities (pass validate=False to skip this check)")
-    if t.numel():
-        tolerance = max(1e-3, 4 * torch.finfo(t.dtype).eps)
-        worst = float((t.sum(-1, dtype=torch.float32) - 1).abs().max())
+    sums = t.sum(-1, dtype=torch.float32)[used]
+    if sums.numel():
+        info = torch.finfo(t.dtype)
+        tolerance = max(1e-3, 4 * info.eps) + t.shape[-1] * info.smallest_normal * info.eps / 2
+        worst = float((sums - 1).abs().max())
         if worst > tolerance:
-            raise ValueError(f"{name} rows must sum to 1 (within {tolerance:g}); one is off by {worst:.3g} "
+            raise ValueError(f"{name} rows must sum to 1 (within {tolerance:.3g}); one is off by {worst:.3g} "
                              "(pass validate=False to skip this check)")
 
 
@@ -226,15 +230,21 @@ def _check_generator(generator: torch.Generator | None, device: torch.device) ->
         raise ValueError(f"generator is a {generator.device.type} generator but the tensors are on {device}")
 
 
-def _check_seed(seed: int | torch.Tensor, B: int, device: torch.device, on: str) -> None:
-    """``seed`` is an int or a ``[B]`` int64 / int32 tensor on ``device`` (where ``on`` lives)."""
+def _is_int(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_seed(seed: int | torch.Tensor, B: int, device: torch.device | None, on: str) -> None:
+    """``seed`` is an int or a ``[B]`` int64 / int32 tensor, on ``device`` (where ``on`` lives)
+    unless that is None."""
     if isinstance(seed, torch.Tensor):
         _check_tensor("seed", seed, 1)
         if seed.shape[0] != B or seed.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"seed must be an int or a [B] = [{B}] int64 tensor, got {seed.dtype} {tuple(seed.shape)}")
-        if seed.device != device:
+        if device is not None and seed.device != device:
             raise ValueError(f"seed is on {seed.device} but {on} is on {device}")
-    elif not isinstance(seed, int) or isinstance(seed, bool):
+    elif not _is_int(seed):
         raise TypeError(f"seed must be an int or a [B] int64 tensor, got {type(seed).__name__}")
     elif not -(2**63) <= seed < 2**63 - B:
         raise ValueError(f"seed must fit int64 (per-row seeds are seed + b), got {seed}")
@@ -681,10 +691,12 @@ def rejection_sample(
         target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, generator, seed, noise,
         ("target_probs", "draft_probs"), validate, backend,
     )
-    if validate:
-        _check_probs_values("target_probs", target_probs)
+    if validate:  # counts are checked by now; rows past a row's count are never read
+        n = torch.full((B,), K, device=target_probs.device) if num_draft_tokens is None else num_draft_tokens
+        positions = torch.arange(K + 1, device=target_probs.device)
+        _check_probs_values("target_probs", target_probs, positions <= n[:, None])
         if draft_probs is not None:
-            _check_probs_values("draft_probs", draft_probs)
+            _check_probs_values("draft_probs", draft_probs, positions[:K] < n[:, None])
     if backend == "reference":
         from .reference.sampling import rejection_sample as reference
 

@@ -39,8 +39,9 @@ def test_auto_on_cuda_uses_torch_for_head_dims_the_kernels_lack():
 
 
 def test_launchers_make_their_tensors_cuda_device_current(monkeypatch):
-    """Triton launches on the current CUDA device: every launcher switches to its tensors' device
-    (seen here through a recording torch.cuda.device and a tensor that reports cuda:1)."""
+    """Triton launches on the current CUDA device: `on_input_device` (which decorates every
+    launcher in kernels/) switches to the tensors' device, seen here through a recording
+    torch.cuda.device and a tensor that reports cuda:1."""
     import contextlib
 
     from specdec_kernels._backend import on_input_device

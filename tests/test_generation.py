@@ -240,6 +240,17 @@ def test_one_host_sync_per_step(target):
         assert len(in_loop) == int(out.stats.num_steps.max()) + 1
 
 
+def test_numpy_integers_are_taken_for_ints(target):
+    import numpy as np
+
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(0))
+    plain = generate(target, ids, max_new_tokens=np.int64(4), max_cache_len=np.int64(16), eos_token_id=np.int64(3),
+                     pad_token_id=np.int64(0), temperature=0)
+    spec = speculative_generate(target, target.truncated(1), ids, max_new_tokens=np.int64(4), eos_token_id=[3],
+                                num_draft_tokens=np.int32(2), pad_token_id=0, temperature=0)
+    assert plain.tokens.shape == (2, 4) and torch.equal(plain.tokens, spec.tokens)
+
+
 def test_bad_input_is_a_clear_error(target):
     ids = torch.randint(0, V, (2, 5))
     draft = target.truncated(1)

@@ -151,11 +151,10 @@ def test_bad_config_and_inputs():
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(sliding_window=16, max_position_embeddings=64), "sliding_window"),
 ])
 def test_config_variants_the_model_does_not_compute_are_refused(change, match):
-    """Hugging Face configs whose model differs from ours (biases, another activation, a sliding
-    window) are refused rather than loaded into a model that computes something else."""
+    """Hugging Face configs whose model differs from ours (biases, another activation) are refused
+    rather than loaded into a model that computes something else."""
     hf_config = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32,
                                          num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=1, **change)
@@ -183,3 +182,23 @@ def test_rope_stays_float32_in_half_precision_models():
     with torch.no_grad():
         logits = half(torch.tensor([[1, 2, 3]]), half.new_cache(1, 4))
     assert logits.dtype == torch.bfloat16 and logits.isfinite().all()
+
+
+def test_sliding_window_caps_the_context():
+    """A sliding window shorter than the context (Mistral-7B-v0.1) equals full attention up to the
+    window: the model loads with its context capped there, and generate refuses longer runs."""
+    from specdec_kernels import generate
+
+    hf_config = transformers.MistralConfig(vocab_size=97, hidden_size=16, intermediate_size=32,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                           sliding_window=16, max_position_embeddings=64)
+    assert LlamaConfig.from_hf(hf_config).max_position_embeddings == 16
+    hf = transformers.MistralForCausalLM(hf_config).eval()
+    model = Llama.from_pretrained(hf)
+    ids = torch.randint(0, 97, (1, 10))
+    with torch.no_grad():  # up to the window the two attentions agree
+        window = torch.randint(0, 97, (2, 16))
+        assert_close(model(window, model.new_cache(2, 16)), hf(window).logits, dtype=torch.float32)
+    assert generate(model, ids, max_new_tokens=6).tokens.shape == (1, 6)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate(model, ids, max_new_tokens=7)

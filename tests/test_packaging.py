@@ -160,3 +160,21 @@ def test_missing_converter_says_how_to_install(stub_conversion, monkeypatch, tmp
     monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelNotInstalledError, match=r"specdec_kernels\[hf\]"):
         smollm2_folder()
+
+
+def test_conversion_without_file_locks_leaves_other_temp_folders_alone(stub_conversion, monkeypatch, tmp_path):
+    """Where the file system refuses locks, conversion still works, but a temp folder may belong to
+    a conversion running elsewhere, so it is not removed."""
+    import fcntl
+
+    from specdec_kernels.pretrained import SMOLLM2_NAME, smollm2_folder
+
+    def no_locks(*args):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(cache))
+    (cache / f".{SMOLLM2_NAME}-tmp-other").mkdir(parents=True)
+    assert (smollm2_folder() / "model.safetensors").is_file()
+    assert (cache / f".{SMOLLM2_NAME}-tmp-other").is_dir()

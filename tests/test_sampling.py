@@ -462,6 +462,19 @@ def test_bad_input_raises_naming_the_argument(change, error, name):
         rejection_sample(**kwargs)
 
 
+def test_row_sums_are_checked_only_where_the_sampler_reads():
+    """validate=True checks that used rows sum to 1: rows past a row's draft count are ignored,
+    and a uniform fp16 row over 256000 entries (sum off by 7e-3 from subnormal rounding) passes."""
+    p, q, ids, _, _, _ = make_case(2, 3, 50, torch.float32, draft=True, ragged=False, greedy="none")
+    q[1, 1:], p[1, 2:] = 0.0, 0.0  # never read with counts [3, 1]
+    rejection_sample(p, q, ids, torch.tensor([3, 1]), seed=0)
+    q[0, 2] = 0.0  # read: row 0 uses all three drafts
+    with pytest.raises(ValueError, match="draft_probs rows must sum to 1"):
+        rejection_sample(p, q, ids, torch.tensor([3, 1]), seed=0)
+    wide = torch.softmax(torch.zeros(1, 2, 256000), -1).half()
+    rejection_sample(wide, None, torch.zeros(1, 1, dtype=torch.int64), seed=0)
+
+
 def test_generator_for_another_device_raises():
     kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _good().items()}
     with pytest.raises(ValueError, match="generator"):
