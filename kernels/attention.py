@@ -268,7 +268,6 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _register() -> None:
-    ints = _FWD_INTS
     strides = ("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
                "stride_vb", "stride_vl", "stride_vh", "stride_ob", "stride_ot", "stride_oh")
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -287,7 +286,7 @@ def _register() -> None:
                 seen.add(cfg["BM"])
                 signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "o_part_ptr": "*fp32",
                              "lse_part_ptr": "*fp32", "cache_seqlens_ptr": "*i64", "q_seqlens_ptr": "*i64",
-                             **{n: "i32" for n in ints}, "scale_log2e": "fp32", **{n: "i32" for n in strides},
+                             **{n: "i32" for n in _FWD_INTS}, "scale_log2e": "fp32", **{n: "i32" for n in strides},
                              "D": "constexpr", "BM": "constexpr", "BN": "constexpr", "BD": "constexpr",
                              "IEEE": "constexpr", "DOT_F32": "constexpr"}
                 constexprs = dict(D=D, BM=cfg["BM"], BN=cfg["BN"], BD=cfg["BD"], IEEE=cfg["IEEE"],

@@ -169,11 +169,7 @@ def make_rejection_noise(
     if vocab is not None and (not _is_int(vocab) or vocab < 1):
         raise ValueError(f"vocab must be an int >= 1 or None, got {vocab!r}")
     batch, num_draft, vocab = int(batch), int(num_draft), None if vocab is None else int(vocab)
-    if generator is not None and seed is not None:
-        raise ValueError("pass either generator or seed, not both")
-    _check_generator(generator, device)
-    if seed is not None:
-        _check_seed(seed, batch, None, "device")  # a seed tensor is moved to ``device``
+    _check_generator_and_seed(generator, seed, batch, device, on=None)  # a seed tensor is moved to ``device``
     exponential = None
     if seed is not None:
         seeds = _row_seeds(seed, batch, device)
@@ -235,14 +231,20 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_seed(seed: int | torch.Tensor, B: int, device: torch.device | None, on: str) -> None:
-    """``seed`` is an int or a ``[B]`` int64 / int32 tensor, on ``device`` (where ``on`` lives)
-    unless that is None."""
+def _check_generator_and_seed(generator: torch.Generator | None, seed: int | torch.Tensor | None, B: int,
+                              device: torch.device, on: str | None) -> None:
+    """Not both given; ``generator`` is for ``device``'s kind; ``seed`` is an int or a ``[B]``
+    int64 / int32 tensor, on ``device`` (where ``on`` lives) unless ``on`` is None (moved there)."""
+    if generator is not None and seed is not None:
+        raise ValueError("pass either generator or seed, not both")
+    _check_generator(generator, device)
+    if seed is None:
+        return
     if isinstance(seed, torch.Tensor):
         _check_tensor("seed", seed, 1)
         if seed.shape[0] != B or seed.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"seed must be an int or a [B] = [{B}] int64 tensor, got {seed.dtype} {tuple(seed.shape)}")
-        if device is not None and seed.device != device:
+        if on is not None and seed.device != device:
             raise ValueError(f"seed is on {seed.device} but {on} is on {device}")
     elif not _is_int(seed):
         raise TypeError(f"seed must be an int or a [B] int64 tensor, got {type(seed).__name__}")
@@ -321,11 +323,7 @@ def _validate_common(
             raise ValueError(f"greedy is on {greedy.device} but {tname} is on {device}")
     elif not isinstance(greedy, bool):
         raise TypeError(f"greedy must be a bool or a [B] bool tensor, got {type(greedy).__name__}")
-    if generator is not None and seed is not None:
-        raise ValueError("pass either generator or seed, not both")
-    _check_generator(generator, device)
-    if seed is not None:
-        _check_seed(seed, B, device, tname)
+    _check_generator_and_seed(generator, seed, B, device, on=tname)
     if noise is not None:
         if not isinstance(noise, RejectionNoise):
             raise TypeError(f"noise must be a RejectionNoise, got {type(noise).__name__}")
