@@ -95,6 +95,11 @@ def check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.d
         raise ValueError(f"{name} must be on {on}, got {t.device}")
 
 
+def as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x.float()``, skipping the dispatch when it is already float32 (hot-loop helper)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
 def device_check(condition: torch.Tensor, message: str) -> None:
     """Assert the 0-d bool tensor ``condition`` without a host synchronization.
 

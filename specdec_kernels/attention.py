@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from ._backend import DeviceCheckError, check_lengths_tensor, device_check, resolve_backend
+from ._backend import DeviceCheckError, as_float32, check_lengths_tensor, device_check, resolve_backend
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -164,7 +164,7 @@ class RaggedAttentionPlan:
         _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len)
         self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
-        self._masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self._masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
 
     def check_call(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, T: int, Lmax: int) -> None:
         """Raise ValueError unless a call's lengths and shapes are the ones this plan was made for."""
@@ -175,11 +175,11 @@ class RaggedAttentionPlan:
             raise ValueError(f"plan was made for T={self.num_queries}, Lmax={self.max_len}; "
                              f"got q with T={T} and a cache with Lmax={Lmax}")
 
-    def torch_masks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def torch_masks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The CPU path's masks, built on the first call: ``hidden`` [B, 1, T, 1, Lmax] bool (keys
-        a query must not see), ``keep`` [B, Lmax, 1, 1] int32 (-1 on valid keys, 0 beyond the
-        row's length) and ``padding`` [B, T, 1, 1, 1] bool (query rows past q_seqlens; None
-        without q_seqlens or with T = 1)."""
+        a query must not see), ``keep`` [B, 1, Lmax, 1] int32 (-1 on valid keys, 0 beyond the
+        row's length), ``padding`` [B, T, 1, 1, 1] bool (query rows past q_seqlens; None
+        without q_seqlens or with T = 1), and a 0-d float32 zero (the ignored GEMM input)."""
         if self._masks is None:
             B, T, device = self.batch_size, self.num_queries, self.cache_seqlens.device
             lengths = self.cache_seqlens.view(B, 1)
@@ -190,27 +190,61 @@ class RaggedAttentionPlan:
             # row's length (possibly NaN there); they are zeroed at the end.
             last = lengths - n + steps                                              # [B, T]
             hidden = (keys > last.unsqueeze(2)).view(B, 1, T, 1, self.max_len)
-            keep = -(keys < lengths).view(torch.int8).to(torch.int32).view(B, self.max_len, 1, 1)
+            keep = -(keys < lengths).view(torch.int8).to(torch.int32).view(B, 1, self.max_len, 1)
             # With T = 1 every row has its one query (q_seqlens lies in 1..T): nothing to zero.
             padding = None if self.q_seqlens is None or T == 1 else (steps >= n).view(B, T, 1, 1, 1)
-            self._masks = hidden, keep, padding
+            self._masks = hidden, keep, padding, torch.zeros((), device=device)
         return self._masks
 
 
-def _bmm_per_kv_head(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for ``a`` [B, Hkv, M, K] and ``b`` [B, Hkv, K, N] (a view of a KV cache), read in
-    place: one bmm when rows and heads merge into one batch dimension (head-major storage, as
-    `KVCache` keeps it), else one bmm per head (merging would copy ``b``; torch's CPU bmm over a
-    batch that does not merge falls back to a per-row loop). Returns [B, Hkv, M, N]."""
+def _bmm_per_kv_head(a: torch.Tensor, b: torch.Tensor, alpha: float, zero: torch.Tensor) -> torch.Tensor:
+    """``alpha * (a @ b)`` for ``a`` [B, Hkv, M, K] and ``b`` [B, Hkv, K, N] (a view of a KV cache),
+    read in place: one batched GEMM when rows and heads merge into one batch dimension
+    (head-major storage, as `KVCache` keeps it), else one per head (merging would copy ``b``;
+    torch's CPU bmm over a batch that does not merge falls back to a per-row loop). ``alpha`` is
+    the GEMM's own factor (``baddbmm`` with ``beta=0`` ignores its 0-d ``zero`` input), so no
+    scaled copy of ``a`` is made. Returns [B, Hkv, M, N]."""
     B, H, M, K = a.shape
     N = b.shape[-1]
     if B == 1 or b.stride(0) == H * b.stride(1):
-        return torch.bmm(a.reshape(B * H, M, K), b.reshape(B * H, K, N)).view(B, H, M, N)
+        return torch.baddbmm(zero, a.reshape(B * H, M, K), b.reshape(B * H, K, N), beta=0,
+                             alpha=alpha).view(B, H, M, N)
     a_heads = a.transpose(0, 1).contiguous()
     out = a.new_empty(H, B, M, N)
     for h in range(H):
-        torch.bmm(a_heads[h], b[:, h], out=out[h])
+        torch.baddbmm(zero, a_heads[h], b[:, h], beta=0, alpha=alpha, out=out[h])
     return out.transpose(0, 1)
+
+
+# V is read in chunks of batch rows of about this size, each zeroed beyond its lengths into a
+# scratch buffer and multiplied at once, so the copy is read back from the CPU cache rather than
+# from memory (512 KiB: a quarter of this project's machines' L2).
+_V_CHUNK_BYTES = 1 << 19
+
+
+def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``probs @ V`` per KV head for ``probs`` [B, Hkv, M, Lmax] and ``v_cache`` [B, Lmax, Hkv, D],
+    with V's entries beyond each row's length zeroed first (``keep`` [B, 1, Lmax, 1] int32, -1 on
+    valid keys, 0 beyond): a NaN there would survive its zero weight. The zeroing is a bitwise
+    AND, exact for every valid value (torch.where took up to 10 x longer on CPU), written into
+    a head-major scratch buffer whatever V's layout, so one GEMM per chunk reads it.
+    Returns [B, Hkv, M, D] float32."""
+    B, Lmax, Hkv, D = v_cache.shape
+    M = probs.shape[2]
+    v_bits = as_float32(v_cache).view(torch.int32).transpose(1, 2)             # [B, Hkv, Lmax, D]
+    rows = min(B, max(1, _V_CHUNK_BYTES // (Hkv * Lmax * D * 4)))
+    if rows == B:  # one chunk: no slicing
+        kept = torch.bitwise_and(v_bits, keep, out=v_bits.new_empty(B, Hkv, Lmax, D))
+        return torch.bmm(probs.view(B * Hkv, M, Lmax), kept.view(torch.float32).view(B * Hkv, Lmax, D)
+                         ).view(B, Hkv, M, D)
+    out = probs.new_empty(B, Hkv, M, D)
+    scratch = v_bits.new_empty(rows, Hkv, Lmax, D)
+    for start in range(0, B, rows):
+        n = min(rows, B - start)
+        kept = torch.bitwise_and(v_bits[start:start + n], keep[start:start + n], out=scratch[:n])
+        torch.bmm(probs[start:start + n].view(n * Hkv, M, Lmax), kept.view(torch.float32).view(n * Hkv, Lmax, D),
+                  out=out[start:start + n].view(n * Hkv, M, D))
+    return out
 
 
 def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -219,20 +253,14 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     B, T, Hq, D = q.shape
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    hidden, keep, padding = plan.torch_masks()
+    hidden, keep, padding, zero = plan.torch_masks()
     # Packed rows r = t * G + g of (row b, KV head h): its G query heads times the row's T queries.
-    q_packed = (q.float() * scale).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
-    scores = _bmm_per_kv_head(q_packed, k_cache.float().permute(0, 2, 3, 1))     # [B, Hkv, T*G, Lmax]
+    q_packed = as_float32(q).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
+    scores = _bmm_per_kv_head(q_packed, as_float32(k_cache).permute(0, 2, 3, 1), scale, zero)  # [B, Hkv, T*G, Lmax]
     # Hidden keys get -inf; this also replaces the NaN scores of NaN keys beyond a row's length.
     probs = scores.view(B, Hkv, T, G, Lmax).masked_fill_(hidden, float("-inf")).softmax(-1)
-    # A NaN value beyond a row's length times its zero weight would still be NaN in P @ V, so V
-    # is copied (in its own layout, the fastest order to write) with those entries zeroed: a
-    # bitwise AND with keep = -1 or 0 is exact for every valid value (torch.where took up to 10x
-    # longer on CPU).
-    v_bits = v_cache.float().view(torch.int32)
-    v_kept = torch.bitwise_and(v_bits, keep, out=torch.empty_like(v_bits)).view(torch.float32)
-    out = _bmm_per_kv_head(probs.view(B, Hkv, T * G, Lmax), v_kept.transpose(1, 2))
-    out = out.reshape(B, Hkv, T, G, D).transpose(1, 2)                         # [B, T, Hkv, G, D]
+    out = _probs_times_values(probs.view(B, Hkv, T * G, Lmax), v_cache, keep)
+    out = out.view(B, Hkv, T, G, D).transpose(1, 2)                            # [B, T, Hkv, G, D]
     if padding is not None:
         out = out.masked_fill(padding, 0.0)
     return out.reshape(B, T, Hq, D).to(q.dtype)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import device_check
+from ._backend import as_float32, device_check
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
 
@@ -97,11 +97,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _float32(x: torch.Tensor) -> torch.Tensor:
-    """``x.float()``, skipping the dispatch when it is already float32 (hot-loop helper)."""
-    return x if x.dtype == torch.float32 else x.float()
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -111,7 +106,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalized in fp32 and cast back before the weight, as Hugging Face's LlamaRMSNorm; one
         # dot product and in-place scalar ops keep it at six small ops (a decode step runs 61).
-        x32 = _float32(x)
+        x32 = as_float32(x)
         inv_rms = torch.linalg.vecdot(x32, x32).unsqueeze(-1).mul_(1 / x.shape[-1]).add_(self.eps).rsqrt_()
         return (x32 * inv_rms).to(x.dtype) * self.weight
 
@@ -151,7 +146,7 @@ class _Step:
     def rope(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [B, T, H, D] (half-split layout, as Hugging Face) in three ops:
         ``x cos + roll(x, D/2) sin``, where roll swaps the halves and ``sin`` carries the sign."""
-        x32 = _float32(x)
+        x32 = as_float32(x)
         rotated = torch.roll(x32, x.shape[-1] // 2, dims=-1)
         return torch.addcmul(x32 * self.cos, rotated, self.sin).to(x.dtype)
 

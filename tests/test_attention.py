@@ -98,6 +98,25 @@ def test_head_major_cache_layout(backend, B, T, G, Hkv, D, Lmax, lengths, q_lens
     assert not out.isnan().any()
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("rows_per_chunk", [1, 2])
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", [CASES[1], CASES[3], CASES[7]])
+def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T, G, Hkv, D, Lmax, lengths,
+                                      q_lens, dtype):
+    """The CPU path multiplies V in chunks of batch rows once a cache is large; forced here on
+    small caches (one row per chunk, and two with a shorter last chunk): same outputs, and the
+    NaN beyond each row's length (zeroed chunk by chunk in a reused buffer) never leaks."""
+    import specdec_kernels.attention as attention
+
+    monkeypatch.setattr(attention, "_V_CHUNK_BYTES", rows_per_chunk * Hkv * Lmax * D * 4)
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    if layout == "head_major":
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
+    assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
+    assert not out.isnan().any()
+
+
 @pytest.mark.parametrize("split", ["nosplit", "split"])
 @pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", CASES[1:6] + CASES[7:9])
 def test_triton_forced_paths(split, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
