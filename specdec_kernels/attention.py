@@ -216,9 +216,11 @@ def _bmm_per_kv_head(a: torch.Tensor, b: torch.Tensor, alpha: float, zero: torch
     return out.transpose(0, 1)
 
 
-# V is read in chunks of batch rows of about this size, each zeroed beyond its lengths into a
-# scratch buffer and multiplied at once, so the copy is read back from the CPU cache rather than
-# from memory (512 KiB: a quarter of this project's machines' L2).
+# V is read in chunks of batch rows of about this size per torch thread, each zeroed beyond its
+# lengths into a scratch buffer and multiplied at once, so the copy is read back from the CPU
+# cache rather than from memory (512 KiB: a quarter of a core's L2 on this project's machines;
+# in interleaved timings of B = 8 against 256 KiB - 2 MiB and no chunks, the best or near it
+# with 1 thread, and 1 MiB with 2 threads).
 _V_CHUNK_BYTES = 1 << 19
 
 
@@ -232,7 +234,7 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, keep: torch.
     B, Lmax, Hkv, D = v_cache.shape
     M = probs.shape[2]
     v_bits = as_float32(v_cache).view(torch.int32).transpose(1, 2)             # [B, Hkv, Lmax, D]
-    rows = min(B, max(1, _V_CHUNK_BYTES // (Hkv * Lmax * D * 4)))
+    rows = min(B, max(1, _V_CHUNK_BYTES * torch.get_num_threads() // (Hkv * Lmax * D * 4)))
     if rows == B:  # one chunk: no slicing
         kept = torch.bitwise_and(v_bits, keep, out=v_bits.new_empty(B, Hkv, Lmax, D))
         return torch.bmm(probs.view(B * Hkv, M, Lmax), kept.view(torch.float32).view(B * Hkv, Lmax, D)

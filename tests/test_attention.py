@@ -108,6 +108,7 @@ def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T,
     NaN beyond each row's length (zeroed chunk by chunk in a reused buffer) never leaks."""
     import specdec_kernels.attention as attention
 
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(attention, "_V_CHUNK_BYTES", rows_per_chunk * Hkv * Lmax * D * 4)
     q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
     if layout == "head_major":
