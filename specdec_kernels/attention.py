@@ -10,7 +10,8 @@ rows come out as zeros.
 Backends (see `specdec_kernels._backend`):
 
 - ``"reference"``: `specdec_kernels.reference.attention`, row by row in fp32;
-- ``"torch"``: vectorized and sync-free (no Python loop over rows, no host read of a length):
+- ``"torch"``: vectorized and sync-free (no host read of a length; on CPU, V is taken in chunks
+  of batch rows sized from the shapes alone):
   the G query heads of a KV head and the T queries of a row are packed into one matrix, so each
   KV head's cache is multiplied once; boolean masks built on device cover causality and the
   ragged lengths, V's entries beyond each length are zeroed bitwise (a NaN there would survive a
@@ -193,7 +194,7 @@ class RaggedAttentionPlan:
             keep = -(keys < lengths).view(torch.int8).to(torch.int32).view(B, 1, self.max_len, 1)
             # With T = 1 every row has its one query (q_seqlens lies in 1..T): nothing to zero.
             padding = None if self.q_seqlens is None or T == 1 else (steps >= n).view(B, T, 1, 1, 1)
-            self._masks = hidden, keep, padding, torch.zeros((), device=device)
+            self._masks = hidden, keep, padding, torch.zeros((), dtype=torch.float32, device=device)
         return self._masks
 
 
@@ -216,11 +217,13 @@ def _bmm_per_kv_head(a: torch.Tensor, b: torch.Tensor, alpha: float, zero: torch
     return out.transpose(0, 1)
 
 
-# V is read in chunks of batch rows of about this size per torch thread, each zeroed beyond its
-# lengths into a scratch buffer and multiplied at once, so the copy is read back from the CPU
-# cache rather than from memory (512 KiB: a quarter of a core's L2 on this project's machines;
-# in interleaved timings of B = 8 against 256 KiB - 2 MiB and no chunks, the best or near it
-# with 1 thread, and 1 MiB with 2 threads).
+# On CPU, V is read in chunks of batch rows of about this size per torch thread, each zeroed
+# beyond its lengths into a scratch buffer and multiplied at once, so the fp32 copy is read back
+# from the core's cache rather than from memory (512 KiB: a quarter of a core's L2 on this
+# project's machines; in interleaved timings of B = 8 against 256 KiB - 2 MiB and no chunks, the
+# best or near it with 1 thread, and 1 MiB with 2 threads). fp16 / bf16 caches are first widened
+# to fp32 whole. The chunks change which rows share a bmm, so results may differ in the last
+# bits between thread counts.
 _V_CHUNK_BYTES = 1 << 19
 
 
@@ -234,7 +237,9 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, keep: torch.
     B, Lmax, Hkv, D = v_cache.shape
     M = probs.shape[2]
     v_bits = as_float32(v_cache).view(torch.int32).transpose(1, 2)             # [B, Hkv, Lmax, D]
-    rows = min(B, max(1, _V_CHUNK_BYTES * torch.get_num_threads() // (Hkv * Lmax * D * 4)))
+    rows = B
+    if v_cache.device.type == "cpu":
+        rows = min(B, max(1, _V_CHUNK_BYTES * torch.get_num_threads() // (Hkv * Lmax * D * 4)))
     if rows == B:  # one chunk: no slicing
         kept = torch.bitwise_and(v_bits, keep, out=v_bits.new_empty(B, Hkv, Lmax, D))
         return torch.bmm(probs.view(B * Hkv, M, Lmax), kept.view(torch.float32).view(B * Hkv, Lmax, D)

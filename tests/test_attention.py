@@ -98,24 +98,57 @@ def test_head_major_cache_layout(backend, B, T, G, Hkv, D, Lmax, lengths, q_lens
     assert not out.isnan().any()
 
 
-@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+# (B, T, G, Hkv, D, Lmax, cache_seqlens, q_seqlens, dtype): three or four rows, so chunks of one
+# or two rows always split the batch (with a shorter last chunk when B = 3).
+CHUNK_CASES = [
+    pytest.param(4, 1, 3, 2, 64, 200, [1, 200, 77, 130], None, torch.float32, id="B4-T1-G3-ragged"),
+    pytest.param(3, 5, 3, 3, 64, 257, [5, 257, 100], [5, 1, 3], torch.float32, id="B3-T5-G3-ragged-q"),
+    pytest.param(3, 9, 8, 1, 128, 120, [9, 120, 50], None, torch.float32, id="B3-T9-G8-D128"),
+    pytest.param(3, 5, 3, 3, 128, 140, [140, 7, 60], [5, 2, 4], torch.float16, id="B3-T5-fp16"),
+    pytest.param(3, 5, 4, 2, 80, 140, [33, 140, 5], [3, 5, 1], torch.bfloat16, id="B3-T5-D80-bf16"),
+]
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major", "slice_of_longer"])
 @pytest.mark.parametrize("rows_per_chunk", [1, 2])
-@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", [CASES[1], CASES[3], CASES[7]])
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", CHUNK_CASES)
 def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T, G, Hkv, D, Lmax, lengths,
                                       q_lens, dtype):
     """The CPU path multiplies V in chunks of batch rows once a cache is large; forced here on
-    small caches (one row per chunk, and two with a shorter last chunk): same outputs, and the
-    NaN beyond each row's length (zeroed chunk by chunk in a reused buffer) never leaks."""
+    small caches (one or two rows per chunk): same outputs, padding rows exactly zero, and the NaN
+    beyond each row's length (zeroed chunk by chunk in a reused buffer) never leaks."""
     import specdec_kernels.attention as attention
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(attention, "_V_CHUNK_BYTES", rows_per_chunk * Hkv * Lmax * D * 4)
+    zeroings = []
+    bitwise_and = torch.bitwise_and
+    monkeypatch.setattr(torch, "bitwise_and", lambda *a, **k: zeroings.append(1) or bitwise_and(*a, **k))
     q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
     if layout == "head_major":
         k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    elif layout == "slice_of_longer":  # a view of the first Lmax positions of a longer buffer
+        k, v = (torch.cat([x, torch.full_like(x[:, :7], float("nan"))], 1)[:, :Lmax] for x in (k, v))
     out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
+    assert len(zeroings) == math.ceil(B / rows_per_chunk)  # the chunked branch ran, chunk by chunk
     assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
     assert not out.isnan().any()
+    for b in range(B):
+        n = T if q_lens is None else q_lens[b]
+        assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
+
+
+def test_torch_path_ignores_default_dtype():
+    """The plan's tensors have fixed dtypes: a float64 default dtype changes nothing."""
+    q, k, v, cache_seqlens, _ = make_inputs(2, 1, 3, 1, 64, 10, [5, 10], None)
+    expected = ragged_attention(q, k, v, cache_seqlens, backend="torch")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = ragged_attention(q, k, v, cache_seqlens, backend="torch")
+    finally:
+        torch.set_default_dtype(previous)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("split", ["nosplit", "split"])
