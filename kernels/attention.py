@@ -5,7 +5,7 @@ Layout of the work (flash-decoding, also for T > 1):
 - One program per (split s, KV head h x row block, batch row b). The G query heads of KV head h
   and the T queries of row b are packed into one tile of G*T rows (row r = t * G + g), so each
   K/V tile is loaded once per KV head and serves every query that reads it (up to
-  `MAX_TILE_ROWS` packed rows; more take several row blocks).
+  `max_tile_rows` packed rows; more take several row blocks).
 - The split count of row b is chosen on the device from its actual length (`_num_splits`):
   at most ``max_splits`` (a host-side bound from the batch shape and the GPU size, never from a
   length), and no split shorter than ``min_chunk`` keys. Programs with ``s >= n_split(b)`` exit
@@ -168,24 +168,28 @@ def _ragged_attn_merge_kernel(
     tl.store(p_o, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
 
 
-#: Most packed rows (G * T) one tile holds, so that K/V are read once per KV head: the largest
-#: tiles that compile without spills for sm_80 and sm_90 at every head dim (`attention_config`).
-MAX_TILE_ROWS = {torch.float32: 64, torch.float16: 128, torch.bfloat16: 128}
+def max_tile_rows(dtype: torch.dtype, head_dim: int) -> int:
+    """Most packed rows (G * T) one tile holds, so that K/V are read once per KV head: the largest
+    tiles that compile without spills for sm_80 and sm_90 (`attention_config`). Head dim 64 fits
+    twice the rows of the wider heads (with 16 warps: 256 rows in fp16 / bf16, 128 in fp32)."""
+    rows = 64 if dtype == torch.float32 else 128
+    return 2 * rows if head_dim == 64 else rows
 
 
 def attention_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict[str, int | bool]:
     """Block sizes and warps for ``rows = G * T`` packed query rows (shared by launcher and registry)."""
     # One tile of next_pow2(rows) rows (at least 16, the smallest tl.dot), so each K/V tile is
-    # loaded once per KV head, up to MAX_TILE_ROWS; more rows take more row blocks, each
+    # loaded once per KV head, up to `max_tile_rows`; more rows take more row blocks, each
     # re-reading K/V. Every size here compiles without spills for sm_80 and sm_90 (the compile
-    # check): 32 keys per step and 8 warps, except fp32 tiles of 32 or 64 rows, whose fp32
-    # products need 16 keys per step (and 16 warps at 64 rows) to stay in registers. fp32 tiles
-    # are not software-pipelined (2 stages spilled for D = 80 and 96 on sm_80).
-    BM = min(MAX_TILE_ROWS[dtype], max(16, triton.next_power_of_2(rows)))
+    # check): 32 keys per step and 8 warps, except fp32 tiles of 32 rows or more, whose fp32
+    # products need 16 keys per step to stay in registers, and the widest tiles (fp32 from 64
+    # rows, fp16 / bf16 at 256), which need 16 warps. fp32 tiles are not software-pipelined
+    # (2 stages spilled for D = 80 and 96 on sm_80).
+    BM = min(max_tile_rows(dtype, head_dim), max(16, triton.next_power_of_2(rows)))
     fp32_wide = dtype == torch.float32 and BM >= 32
     BD = max(16, triton.next_power_of_2(head_dim))
     BN = 16 if fp32_wide else 32
-    num_warps = 16 if fp32_wide and BM >= 64 else 8
+    num_warps = 16 if (fp32_wide and BM >= 64) or BM >= 256 else 8
     # The Triton interpreter (3.x) computes bf16 tl.dot wrongly; there, and only there, bf16 tiles
     # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
     dot_f32 = dtype == torch.bfloat16 and interpreter_enabled()
@@ -279,7 +283,7 @@ def _register() -> None:
         ptr = torch_dtype_to_triton(dtype)
         for D in HEAD_DIMS:
             seen = set()
-            for rows in (1, 17, 33, 65):  # one packed-row count per tile size the launcher can pick
+            for rows in (1, 17, 33, 65, 129):  # one packed-row count per tile size the launcher can pick
                 cfg = attention_config(dtype, D, rows)
                 if cfg["BM"] in seen:
                     continue

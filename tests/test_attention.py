@@ -237,11 +237,13 @@ def test_triton_bytes_moved(split, dtype):
 
 
 @pytest.mark.parametrize("split", ["nosplit", "split"])
-@pytest.mark.parametrize("dtype,T", [(torch.float16, 16), (torch.bfloat16, 11), (torch.float32, 8)],
-                         ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("dtype,T", [(torch.float16, 16), (torch.bfloat16, 11), (torch.float32, 8),
+                                     (torch.float16, 17), (torch.bfloat16, 30), (torch.float32, 16)],
+                         ids=["fp16-128rows", "bf16-88rows", "fp32-64rows", "fp16-136rows", "bf16-240rows",
+                              "fp32-128rows"])
 def test_triton_bytes_moved_wide_tiles(split, dtype, T):
-    """G = 8 query heads per KV head with up to 16 verify queries: G * T up to 128 packed rows
-    (64 in fp32) still share one tile, so K/V are read once per KV head in both paths."""
+    """G = 8 query heads per KV head with up to 30 verify queries at head dim 64: G * T up to 256
+    packed rows (128 in fp32) still share one tile, so K/V are read once per KV head in both paths."""
     pytest.importorskip("triton")
     from specdec_kernels.kernels.attention import attention_config, min_split_keys
 
