@@ -108,7 +108,11 @@ def run_demo(args: argparse.Namespace) -> int:
     _progress(0, total_steps, "generating")
     for batch in batches:
         enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(args.device)
-        plain = generate(model, enc.input_ids, enc.attention_mask, **sampling)
+        try:
+            plain = generate(model, enc.input_ids, enc.attention_mask, **sampling)
+        except ValueError as e:  # what only the loaded model can tell, e.g. past its context length
+            print(f"\nerror: {e}", file=sys.stderr)
+            return 2
         steps += 1
         _progress(steps, total_steps, f"plain decoding, batch of {len(batch)}")
         spec = speculative_generate(model, draft, enc.input_ids, enc.attention_mask,

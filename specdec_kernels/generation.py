@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import _check_sampling_params, _is_int, rejection_sample_logits, sample_logits
+from ._backend import check_lengths_tensor, device_check
+from .sampling import _check_sampling_params, _is_int, _is_real, rejection_sample_logits, sample_logits
 
 # --------------------------------------------------------------------------- results
 
@@ -38,12 +39,15 @@ class GenerationStats:
         num_steps: decoding steps per row (target forwards after the prefill).
         num_proposed: draft tokens proposed per row (speculative only).
         num_accepted: draft tokens the verification accepted per row (speculative only). Accepted
-            tokens that EOS or the token budget then cut off count too: this measures the draft,
-            so ``num_generated`` can be less than ``num_accepted + num_steps``.
+            tokens that EOS or the token budget then cut off count too: this measures the draft.
+            Without such cuts ``num_generated = 1 + num_steps + num_accepted`` (the first token
+            comes from the prefill); with them it is less.
         target_forwards, draft_forwards: batched forward calls, the prefill included.
         time_prefill_s: prompt prefill of target and draft.
         time_target_s, time_draft_s, time_sampler_s: decoding steps' target forwards, drafting
-            (draft forwards or n-gram proposals), sampling; time_total_s: the whole call.
+            (draft forwards, or n-gram proposals: those are made after the prefill and after
+            every step, so the last one, never verified, counts too), sampling (the first
+            token's included); time_total_s: the whole call.
     """
 
     num_generated: torch.Tensor
@@ -124,9 +128,23 @@ class PromptLookupDraft:
 
         Returns:
             (draft_token_ids [B, k] int64, zero-padded; num_draft_tokens [B] int64 in [0, k]).
+
+        Raises:
+            ValueError: bad shapes or dtypes, ``k`` not an int >= 1; a length outside ``0 .. L``
+                (`DeviceCheckError` on CPU, a device assert on CUDA).
         """
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.dtype != torch.int64:
+            is_tensor = isinstance(context, torch.Tensor)
+            got = f"{context.dtype} {tuple(context.shape)}" if is_tensor else type(context).__name__
+            raise ValueError(f"context must be a [B, L] int64 tensor, got {got}")
         B, L = context.shape
         device = context.device
+        check_lengths_tensor("context_lengths", context_lengths, B, device, on=f"{device} like context")
+        device_check(((context_lengths >= 0) & (context_lengths <= L)).all(),
+                     f"context_lengths must lie in 0..L={L} for every row")
+        k = int(k)
         found = torch.zeros(B, dtype=torch.bool, device=device)
         start = torch.zeros(B, dtype=torch.int64, device=device)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
@@ -265,16 +283,25 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     if isinstance(temperature, torch.Tensor):  # the loop samples with one temperature
         raise TypeError("temperature must be a float (per-row temperatures: rejection_sample_logits / "
                         "sample_logits)")
+    # NumPy scalars become Python numbers (the samplers take Python ints and floats).
+    temperature, top_p = (float(x) if _is_real(x) else x for x in (temperature, top_p))
+    top_k = int(top_k) if _is_int(top_k) else top_k
     _check_sampling_params(temperature, top_k, top_p, B, input_ids.device)
     if seed is not None and not _is_int(seed):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must lie in [-2**63, 2**64) (a torch.Generator seed), got {seed}")
     if pad_token_id is not None and not _is_int(pad_token_id):
         raise TypeError(f"pad_token_id must be an int or None, got {type(pad_token_id).__name__}")
+    if pad_token_id is not None and not -(2**63) <= pad_token_id < 2**63:
+        raise ValueError(f"pad_token_id must fit int64 (the output's dtype), got {pad_token_id}")
     if max_cache_len is not None and (not _is_int(max_cache_len) or max_cache_len < 1):
         raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
     max_cache_len = None if max_cache_len is None else int(max_cache_len)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")
@@ -291,13 +318,15 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     real = input_ids[mask]
     if ((real < 0) | (real >= vocab)).any():
         raise ValueError(f"input_ids must be in [0, {vocab}) where attention_mask is 1")
-    needed = int(lengths.max()) + max_new_tokens + lookahead
+    # The cache holds the prompt and every generated token but the newest; a speculative step
+    # also writes its `lookahead` drafts past them.
+    needed = int(lengths.max()) + max_new_tokens - 1 + lookahead
     if max_cache_len is None:
         max_cache_len = needed
     elif max_cache_len < needed:
         raise ValueError(f"max_cache_len={max_cache_len} is too small: the longest prompt "
-                         f"({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) + "
-                         f"{lookahead} verification slots needs {needed}")
+                         f"({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) - 1"
+                         + (f" + {lookahead} drafts per step" if lookahead else "") + f" needs {needed}")
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if limit is not None and int(lengths.max()) + max_new_tokens > limit:
         raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
@@ -312,7 +341,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
                          input_ids.gather(1, order), 0).long()
     generator = None
     if seed is not None:
-        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+        generator = torch.Generator(device=input_ids.device).manual_seed(int(seed))
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
     return _Request(prompt, lengths, int(lengths.sum()), max_new_tokens, max_cache_len, eos,
                     lambda logits: sample_logits(logits, **sampling, generator=generator), sampling, generator)
@@ -394,7 +423,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         eos_token_id: an id or ids that end a row (the EOS token is kept in the output).
         pad_token_id: fills ``tokens`` past each row's end (default: the first EOS id, else 0).
         seed: seeds a private generator (same seed, same tokens); None uses torch's global RNG.
-        max_cache_len: KV-cache capacity per row (default: longest prompt + max_new_tokens).
+        max_cache_len: KV-cache capacity per row (default and least: longest prompt +
+            max_new_tokens - 1; the newest token is never written).
 
     Returns:
         `GenerationOutput` with ``tokens`` [B, max_new_tokens] and ``stats``.
@@ -446,8 +476,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         draft: a model sharing the target's vocabulary (it samples from the same processed
             distribution the sampler is given), or ``"prompt_lookup"`` / a `PromptLookupDraft`
             (model-free n-gram proposals; rows without a match propose nothing).
-        num_draft_tokens: K >= 1 tokens proposed per step.
-        other arguments: as in `generate`.
+        num_draft_tokens: K >= 1 tokens proposed per step (at most ``max_new_tokens - 1`` are:
+            drafts past the budget could never be kept).
+        other arguments: as in `generate`; the cache capacity also needs room for one step's K
+            drafts (default and least: longest prompt + max_new_tokens - 1 + K).
 
     Returns:
         `GenerationOutput`; ``stats`` has acceptance counts, forward counts and phase times.
@@ -455,7 +487,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     if not _is_int(num_draft_tokens) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
     _check_model(target, "target")
-    if isinstance(draft, str) and draft == "prompt_lookup":
+    if isinstance(draft, str):
+        if draft != "prompt_lookup":
+            raise ValueError(f"draft must be a model, a PromptLookupDraft or \"prompt_lookup\", got {draft!r}")
         draft = PromptLookupDraft()
     lookup = isinstance(draft, PromptLookupDraft)
     if not lookup:
@@ -463,10 +497,13 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft.vocab_size}, "
                              f"target.vocab_size={target.vocab_size}")
+    # Drafts past the token budget could never be kept: at most max_new_tokens - 1 per step.
     K = int(num_draft_tokens)
+    if _is_int(max_new_tokens) and max_new_tokens >= 1:
+        K = max(1, min(K, int(max_new_tokens) - 1))
     t_start = time.perf_counter()
     request = _prepare(target, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
-                       eos_token_id, pad_token_id, seed, max_cache_len, lookahead=K + 1)
+                       eos_token_id, pad_token_id, seed, max_cache_len, lookahead=K)
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
     rows = torch.arange(B, device=device)

@@ -231,6 +231,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _is_real(value: object) -> bool:
+    """A real number (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_generator_and_seed(generator: torch.Generator | None, seed: int | torch.Tensor | None, B: int,
                               device: torch.device, on: str | None) -> None:
     """Not both given; ``generator`` is for ``device``'s kind; ``seed`` is an int or a ``[B]``
@@ -531,7 +536,8 @@ def sample_logits(
     scores = torch.where(probs > 0, probs / E, torch.full_like(probs, -1.0))
     best, token = scores.max(-1)
     device_check((best > 0).all(), "logits must give every row a token of positive probability "
-                                   "(a row is NaN or all -inf)")
+                                   "(a row is NaN or all -inf, or a temperature so small that "
+                                   "logits / temperature overflows)")
     return token
 
 

@@ -251,6 +251,47 @@ def test_numpy_integers_are_taken_for_ints(target):
     assert plain.tokens.shape == (2, 4) and torch.equal(plain.tokens, spec.tokens)
 
 
+@pytest.mark.parametrize("draft_kind", ["model", "prompt_lookup"])
+@pytest.mark.parametrize("max_new", [1, 2, 6])
+def test_cache_capacity_is_exactly_what_is_written(target, draft_kind, max_new):
+    """The least capacity is the default (longest prompt + max_new_tokens - 1, plus K drafts for
+    speculative decoding): it gives the default's tokens, and one position less is refused."""
+    ids, mask = ragged_prompts(B=3, P=7)
+    P = int(mask.sum(1).max())
+    draft = target.truncated(1) if draft_kind == "model" else "prompt_lookup"
+    K = 3
+    need = {"plain": P + max_new - 1, "spec": P + max_new - 1 + max(1, min(K, max_new - 1))}
+    runs = {"plain": lambda **kw: generate(target, ids, mask, max_new_tokens=max_new, temperature=0, **kw),
+            "spec": lambda **kw: speculative_generate(target, draft, ids, mask, num_draft_tokens=K,
+                                                      max_new_tokens=max_new, temperature=0, **kw)}
+    for name, run in runs.items():
+        assert torch.equal(run(max_cache_len=need[name]).tokens, run().tokens)
+        with pytest.raises(ValueError, match=f"max_cache_len={need[name] - 1} is too small.* needs {need[name]}"):
+            run(max_cache_len=need[name] - 1)
+
+
+def test_drafts_past_the_token_budget_are_not_made(target):
+    """num_draft_tokens larger than the budget: at most max_new_tokens - 1 drafts per step (more
+    could never be kept), so a huge K costs nothing and changes no token."""
+    ids, mask = ragged_prompts(B=3)
+    draft = target.truncated(1)
+    plain = generate(target, ids, mask, max_new_tokens=4, temperature=0)
+    spec = speculative_generate(target, draft, ids, mask, num_draft_tokens=10**9, max_new_tokens=4, temperature=0)
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert (spec.stats.num_proposed <= 3 * spec.stats.num_steps).all()
+    assert spec.stats.draft_forwards == 1 + 3 * int(spec.stats.num_steps.max())
+
+
+def test_numpy_numbers_are_taken_for_sampling_arguments(target):
+    import numpy as np
+
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(0))
+    python = generate(target, ids, max_new_tokens=4, temperature=0.5, top_k=5, top_p=0.75, seed=2**63 + 5)
+    numpy = generate(target, ids, max_new_tokens=4, temperature=np.float32(0.5), top_k=np.int64(5),
+                     top_p=np.float32(0.75), seed=np.uint64(2**63 + 5))
+    assert torch.equal(numpy.tokens, python.tokens)
+
+
 def test_bad_input_is_a_clear_error(target):
     ids = torch.randint(0, V, (2, 5))
     draft = target.truncated(1)
@@ -305,6 +346,21 @@ def test_bad_input_is_a_clear_error(target):
         generate(target, ids, max_new_tokens=4, temperature=torch.ones(2))
     with pytest.raises(ValueError, match="cache is on meta"):  # ids on the CPU, the model elsewhere
         generate(tiny_llama().to("meta"), ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="seed"):
+        generate(target, ids, max_new_tokens=4, seed=2**64)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        generate(target, ids, max_new_tokens=4, pad_token_id=10**30)
+    with pytest.raises(TypeError, match="attention_mask"):
+        generate(target, ids, [[1] * 5] * 2, max_new_tokens=4)
+    with pytest.raises(ValueError, match='"prompt_lookup"'):
+        speculative_generate(target, "prompt-lookup", ids, max_new_tokens=4)
+    context = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="k must"):
+        PromptLookupDraft().propose(context, torch.tensor([3, 1]), 0)
+    with pytest.raises(ValueError, match="context_lengths"):
+        PromptLookupDraft().propose(context, torch.tensor([4, 1]), 2)
+    with pytest.raises(ValueError, match="context must"):
+        PromptLookupDraft().propose(context.int(), torch.tensor([3, 1]), 2)
     for min_ngram, max_ngram in ((True, 3), (1, 2.5), (2, 1), (0, 2)):
         with pytest.raises(ValueError, match="min_ngram"):
             PromptLookupDraft(max_ngram=max_ngram, min_ngram=min_ngram)
