@@ -178,3 +178,50 @@ def test_conversion_without_file_locks_leaves_other_temp_folders_alone(stub_conv
     (cache / f".{SMOLLM2_NAME}-tmp-other").mkdir(parents=True)
     assert (smollm2_folder() / "model.safetensors").is_file()
     assert (cache / f".{SMOLLM2_NAME}-tmp-other").is_dir()
+
+
+class _CharTokenizer:
+    """The slice of a Hugging Face tokenizer the demo uses: one token per character (mod V)."""
+
+    eos_token_id = 2
+    padding_side = "right"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, texts, return_tensors, padding, add_special_tokens):
+        import torch
+
+        ids = [[3 + ord(c) % 90 for c in text] for text in texts]
+        width = max(map(len, ids))
+        pad = (lambda row, fill: [fill] * (width - len(row)) + row) if self.padding_side == "left" else \
+            (lambda row, fill: row + [fill] * (width - len(row)))
+        batch = type("Encoding", (), {})()
+        batch.input_ids = torch.tensor([pad(row, 0) for row in ids])
+        batch.attention_mask = torch.tensor([pad([1] * len(row), 0) for row in ids])
+        batch.to = lambda device: batch
+        return batch
+
+    def decode(self, tokens, skip_special_tokens):
+        return "".join(chr(32 + int(t) % 90) for t in tokens)
+
+
+@pytest.mark.parametrize("draft", ["prompt_lookup", "layers:1"])
+def test_demo_runs_end_to_end(monkeypatch, capsys, draft):
+    """The main job on a stub of the default model (a tiny random Llama and a character
+    tokenizer): text, acceptance, both speeds and the speedup are printed; a run past the
+    model's context is a one-line error after loading, not a traceback."""
+    from specdec_kernels import pretrained
+    from specdec_kernels.__main__ import main
+
+    from tiny_models import tiny_llama
+
+    monkeypatch.setattr(pretrained, "load_smollm2", lambda device: (tiny_llama().to(device), _CharTokenizer()))
+    assert main(["demo", "--max-new-tokens", "6", "--draft", draft, "--batch-size", "2",
+                 "--prompt", "abcabcabc", "--prompt", "hi", "--prompt", "xyz"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(">>> ") == 3
+    for line in ("acceptance rate:", "plain decoding:", "speculative decoding:", "speedup:"):
+        assert line in out
+    assert main(["demo", "--max-new-tokens", "600", "--draft", draft, "--prompt", "hi"]) == 2
+    assert "error: " in capsys.readouterr().err
