@@ -83,9 +83,11 @@ def _run_batches(args: argparse.Namespace, model, draft, tokenizer, batches: lis
     def encode(batch):
         return tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(args.device)
 
-    # One short untimed run of each first, so that one-time costs (allocator growth, lazy
-    # initialization) are not charged to whichever method runs first.
-    warm, warm_sampling = encode(batches[0]), {**sampling, "max_new_tokens": min(2, args.max_new_tokens)}
+    # One short untimed run of each first (K + 1 tokens: a full speculative step), so that one-time
+    # costs (allocator growth, lazy initialization, kernel compilation) are not charged to
+    # whichever method runs first.
+    warm = encode(batches[0])
+    warm_sampling = {**sampling, "max_new_tokens": min(args.k + 1, args.max_new_tokens)}
     generate(model, warm.input_ids, warm.attention_mask, **warm_sampling)
     speculative_generate(model, draft, warm.input_ids, warm.attention_mask, num_draft_tokens=args.k, **warm_sampling)
     totals = {"plain": [0, 0.0], "speculative": [0, 0.0]}

@@ -140,6 +140,8 @@ class PromptLookupDraft:
             got = f"{context.dtype} {tuple(context.shape)}" if is_tensor else type(context).__name__
             raise ValueError(f"context must be a [B, L] int64 tensor, got {got}")
         B, L = context.shape
+        if L < 1:
+            raise ValueError("context must have at least one column")
         device = context.device
         check_lengths_tensor("context_lengths", context_lengths, B, device, on=f"{device} like context")
         device_check(((context_lengths >= 0) & (context_lengths <= L)).all(),
@@ -319,8 +321,8 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     if ((real < 0) | (real >= vocab)).any():
         raise ValueError(f"input_ids must be in [0, {vocab}) where attention_mask is 1")
     # The cache holds the prompt and every generated token but the newest; a speculative step
-    # also writes its `lookahead` drafts past them.
-    needed = int(lengths.max()) + max_new_tokens - 1 + lookahead
+    # (there is none when the prefill's token is the only one) also writes its drafts past them.
+    needed = int(lengths.max()) + max_new_tokens - 1 + (lookahead if max_new_tokens > 1 else 0)
     if max_cache_len is None:
         max_cache_len = needed
     elif max_cache_len < needed:
@@ -337,8 +339,9 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
         raise ValueError(f"eos_token_id must be None, an int or ints in [0, {vocab}), got {eos_token_id!r}")
     eos = torch.tensor(eos_ids, dtype=torch.int64, device=input_ids.device)
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real tokens first
-    prompt = torch.where(torch.arange(P, device=input_ids.device) < lengths[:, None],
-                         input_ids.gather(1, order), 0).long()
+    longest = int(lengths.max())  # columns past the longest prompt are padding in every row
+    prompt = torch.where(torch.arange(longest, device=input_ids.device) < lengths[:, None],
+                         input_ids.gather(1, order[:, :longest]), 0).long()
     generator = None
     if seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(int(seed))

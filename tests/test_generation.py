@@ -255,12 +255,15 @@ def test_numpy_integers_are_taken_for_ints(target):
 @pytest.mark.parametrize("max_new", [1, 2, 6])
 def test_cache_capacity_is_exactly_what_is_written(target, draft_kind, max_new):
     """The least capacity is the default (longest prompt + max_new_tokens - 1, plus K drafts for
-    speculative decoding): it gives the default's tokens, and one position less is refused."""
+    speculative decoding): it gives the default's tokens, and one position less is refused. The
+    prompts are padded wider than the longest one (as `pad_to_multiple_of` does): padding columns
+    take no room."""
     ids, mask = ragged_prompts(B=3, P=7)
+    ids, mask = (torch.cat([torch.zeros(3, 5, dtype=x.dtype), x], 1) for x in (ids, mask))  # left-padded wider
     P = int(mask.sum(1).max())
     draft = target.truncated(1) if draft_kind == "model" else "prompt_lookup"
     K = 3
-    need = {"plain": P + max_new - 1, "spec": P + max_new - 1 + max(1, min(K, max_new - 1))}
+    need = {"plain": P + max_new - 1, "spec": P + max_new - 1 + min(K, max_new - 1)}
     runs = {"plain": lambda **kw: generate(target, ids, mask, max_new_tokens=max_new, temperature=0, **kw),
             "spec": lambda **kw: speculative_generate(target, draft, ids, mask, num_draft_tokens=K,
                                                       max_new_tokens=max_new, temperature=0, **kw)}
@@ -361,6 +364,8 @@ def test_bad_input_is_a_clear_error(target):
         PromptLookupDraft().propose(context, torch.tensor([4, 1]), 2)
     with pytest.raises(ValueError, match="context must"):
         PromptLookupDraft().propose(context.int(), torch.tensor([3, 1]), 2)
+    with pytest.raises(ValueError, match="at least one column"):
+        PromptLookupDraft().propose(context[:, :0], torch.tensor([0, 0]), 2)
     for min_ngram, max_ngram in ((True, 3), (1, 2.5), (2, 1), (0, 2)):
         with pytest.raises(ValueError, match="min_ngram"):
             PromptLookupDraft(max_ngram=max_ngram, min_ngram=min_ngram)
