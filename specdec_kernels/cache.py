@@ -20,6 +20,7 @@ boolean mask, whose result size depends on the mask's values.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +28,15 @@ import torch
 from ._backend import check_lengths_tensor, device_check, resolve_backend
 
 
-def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
-    """``value`` as a [batch] int64 tensor on ``device`` (an int is broadcast)."""
-    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.device, most: int) -> torch.Tensor:
+    """``value`` as a [batch] int64 tensor on ``device`` (an int, checked to lie in ``0 .. most``
+    on the host, is broadcast; a tensor's values are the caller's device check)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.Tensor)):
         raise ValueError(f"{name} must be an int or a [B] integer tensor, got {type(value).__name__}")
-    if isinstance(value, int):
-        return torch.full((batch,), value, dtype=torch.int64, device=device)
+    if isinstance(value, numbers.Integral):
+        if not 0 <= value <= most:
+            raise ValueError(f"{name} must lie in 0..{most}, got {value}")
+        return torch.full((batch,), int(value), dtype=torch.int64, device=device)
     check_lengths_tensor(name, value, batch, device, on=f"the cache's device {device}")
     return value.to(torch.int64)
 
@@ -124,7 +128,7 @@ class KVCache:
         T, B = num_new, self.batch_size
         if T > self.max_len:
             raise ValueError(f"num_new={T} new tokens per row is more than max_len={self.max_len}")
-        qs = None if q_seqlens is None else _as_lengths("q_seqlens", q_seqlens, B, self.device)
+        qs = None if q_seqlens is None else _as_lengths("q_seqlens", q_seqlens, B, self.device, most=T)
         new_end = self.lengths + (T if qs is None else qs)
         in_range = (new_end <= self.max_len).all()
         if qs is not None:
@@ -213,9 +217,10 @@ class KVCache:
 
         Moving past ``max_len`` raises `DeviceCheckError` on CPU (a device assert on CUDA).
         """
-        step = _as_lengths("q_seqlens", q_seqlens, self.batch_size, self.device)
+        step = _as_lengths("q_seqlens", q_seqlens, self.batch_size, self.device, most=self.max_len)
         new = self.lengths + step
-        device_check(((new <= self.max_len) & (step >= 0)).all(),
+        # step <= max_len first, so that a huge step cannot wrap `new` around into range.
+        device_check(((step >= 0) & (step <= self.max_len) & (new <= self.max_len)).all(),
                      f"KVCache.advance: lengths would leave 0..max_len={self.max_len} (or q_seqlens < 0)")
         self.lengths.copy_(new)
         self.version += 1
@@ -226,7 +231,7 @@ class KVCache:
         ``new_lengths`` ([B] integer tensor or int) must lie in ``0 .. lengths`` row by row;
         otherwise `DeviceCheckError` on CPU (a device assert on CUDA) and nothing changes.
         """
-        new = _as_lengths("new_lengths", new_lengths, self.batch_size, self.device)
+        new = _as_lengths("new_lengths", new_lengths, self.batch_size, self.device, most=self.max_len)
         device_check(((new >= 0) & (new <= self.lengths)).all(),
                      "KVCache.crop: new_lengths must lie in 0..lengths for every row "
                      "(crop cannot grow a row)")

@@ -348,6 +348,15 @@ def _validate_common(
             if t is not None and t.device != device:
                 raise ValueError(f"noise tensors must be on {device}, got {t.device}")
     if validate:
+        if noise is not None:
+            ranges = (("accept", noise.accept, (noise.accept > 0) & (noise.accept <= 1), "(0, 1]"),
+                      ("uniform", noise.uniform, (noise.uniform >= 0) & (noise.uniform < 1), "[0, 1)")
+                      if noise.uniform is not None else None,
+                      ("exponential", noise.exponential, (noise.exponential > 0) & noise.exponential.isfinite(),
+                       "(0, inf)") if noise.exponential is not None else None)
+            for field, _, ok, interval in filter(None, ranges):
+                if not bool(ok.all()):
+                    raise ValueError(f"noise.{field} must lie in {interval} (pass validate=False to skip this check)")
         if num_draft_tokens is not None and bool(((num_draft_tokens < 0) | (num_draft_tokens > K)).any()):
             raise ValueError(f"num_draft_tokens must lie in [0, K] = [0, {K}]")
         if bool(((draft_token_ids < 0) | (draft_token_ids >= V)).any()):
@@ -681,8 +690,8 @@ def rejection_sample(
             independent). None of both: torch's global generator.
         noise: explicit random inputs (`RejectionNoise`), for exact tests; overrides
             generator / seed.
-        validate: check values (NaN, inf, negative probabilities, rows not summing to 1, ids and
-            counts out of range); this reads tensors on the host. Default: True for CPU tensors,
+        validate: check values (NaN, inf, negative probabilities, rows not summing to 1, ids,
+            counts and explicit noise out of range); this reads tensors on the host. Default: True for CPU tensors,
             False otherwise.
             Without validation, emitted ids are still always in ``[0, V)``.
         backend: ``"auto"`` | ``"reference"`` | ``"torch"`` | ``"triton"``.
@@ -769,8 +778,9 @@ def rejection_sample_logits(
             as in `rejection_sample`.
         temperature: float, or ``[B]`` float tensor; 0 means greedy for that row.
         top_k, top_p: as in `process_logits`.
-        validate: check that logits contain no NaN (+inf / -inf are allowed) and ids / counts are
-            in range. Default: True for CPU tensors.
+        validate: check that every row of logits has a finite largest value, also after the
+            temperature (no NaN, no +inf, not all -inf; -inf entries are allowed), that ids /
+            counts and explicit noise are in range. Default: True for CPU tensors.
 
     Returns:
         `RejectionOutput` (``token_ids`` ``[B, K+1]`` int64, ``num_accepted`` ``[B]`` int64).
@@ -781,9 +791,20 @@ def rejection_sample_logits(
     )
     _check_sampling_params(temperature, top_k, top_p, B, target_logits.device)
     if validate:
-        for name, t in (("target_logits", target_logits), ("draft_logits", draft_logits)):
-            if t is not None and bool(torch.isnan(t).any()):
-                raise ValueError(f"{name} contains NaN (pass validate=False to skip this check)")
+        # Every row needs a finite largest logit, also divided by its temperature: NaN, +inf, an
+        # all -inf row or an overflowing logits / temperature would leave no distribution.
+        divisor = (torch.where(temperature > 0, temperature, 1.0)[:, None] if isinstance(temperature, torch.Tensor)
+                   else temperature or 1.0)
+        counts = (torch.full((B, 1), K, device=target_logits.device) if num_draft_tokens is None
+                  else num_draft_tokens.view(B, 1))
+        positions = torch.arange(K + 1, device=counts.device)
+        for name, t, used in (("target_logits", target_logits, positions <= counts),  # rows the sampler reads
+                              ("draft_logits", draft_logits, positions[:K] < counts)):
+            if t is None or not t.numel():
+                continue
+            if not bool(((t.float().amax(-1) / divisor).isfinite() | ~used).all()):
+                raise ValueError(f"{name} has a row with NaN, +inf or only -inf (or so small a temperature "
+                                 "that logits / temperature overflows); pass validate=False to skip this check")
     if backend == "reference":
         from .reference.sampling import rejection_sample_logits as reference
 

@@ -158,6 +158,22 @@ def test_crop_and_advance():
     assert cache.lengths.tolist() == [0, 0, 0]
 
 
+def test_huge_or_negative_int_lengths_are_refused_on_the_host():
+    """Int steps and lengths are range-checked before any arithmetic (2**63 - 1 used to wrap
+    lengths around to negative values); a huge tensor step is caught on the device."""
+    import numpy as np
+
+    cache = KVCache(1, 2, 8, 1, 64)
+    cache.advance(np.int64(2))
+    for call in (lambda: cache.advance(2**63 - 1), lambda: cache.advance(2**64), lambda: cache.crop(-1),
+                 lambda: cache.plan_append(2, 3)):
+        with pytest.raises(ValueError, match=r"must lie in 0\.\.\d"):
+            call()
+    with pytest.raises(DeviceCheckError, match="advance"):
+        cache.advance(torch.tensor([2**63 - 1, 0]))
+    assert cache.lengths.tolist() == [2, 2]
+
+
 @pytest.mark.parametrize("append_backend", APPEND_BACKENDS)
 def test_no_host_sync(append_backend):
     cache = KVCache(2, 3, 16, 1, 64)

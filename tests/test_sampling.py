@@ -504,6 +504,12 @@ def test_tensors_on_different_devices_raise():
         pytest.param(
             dict(target_logits=torch.full((2, 4, 10), float("nan"))), ValueError, "target_logits", id="nan"
         ),
+        pytest.param(dict(target_logits=torch.zeros(2, 4, 10).index_fill_(2, torch.tensor([3]), float("inf"))),
+                     ValueError, "target_logits", id="plus-inf"),
+        pytest.param(dict(draft_logits=torch.full((2, 3, 10), float("-inf"))), ValueError, "draft_logits",
+                     id="all-minus-inf"),
+        pytest.param(dict(target_logits=torch.randn(2, 4, 10) * 50, temperature=1e-40), ValueError, "overflows",
+                     id="temperature-overflow"),
     ],
 )
 def test_bad_logits_input(change, error, name):
@@ -514,6 +520,29 @@ def test_bad_logits_input(change, error, name):
     )
     with pytest.raises(error, match=name):
         rejection_sample_logits(**{**kwargs, **change})
+
+
+def test_logit_rows_the_sampler_never_reads_are_not_checked():
+    """validate=True looks only at the positions each row's count uses: an all -inf row past it
+    (padding) is accepted, the same row inside it is refused."""
+    target, draft = torch.randn(2, 4, 10), torch.randn(2, 3, 10)
+    target[0, 2:], draft[0, 1:] = float("-inf"), float("-inf")
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    rejection_sample_logits(target, draft, ids, torch.tensor([1, 3]), seed=0, validate=True)
+    with pytest.raises(ValueError, match="target_logits"):
+        rejection_sample_logits(target, draft, ids, torch.tensor([2, 3]), seed=0, validate=True)
+
+
+@pytest.mark.parametrize("field,values", [("accept", [[0.0, 0.5]]), ("accept", [[1.5, 0.5]]),
+                                          ("uniform", [[1.0, 0.5]]), ("uniform", [[float("nan"), 0.5]]),
+                                          ("exponential", [[0.0] + [1.0] * 9])])
+def test_explicit_noise_out_of_range_is_refused(field, values):
+    """Explicit noise is range-checked when validating (it silently picked zero-probability tokens)."""
+    probs = torch.softmax(torch.randn(1, 3, 10), -1)
+    noise = dict(accept=torch.full((1, 2), 0.5), uniform=torch.full((1, 2), 0.5), exponential=torch.ones(1, 10))
+    noise[field] = torch.tensor(values)
+    with pytest.raises(ValueError, match=f"noise.{field}"):
+        rejection_sample(probs, probs[:, :2], torch.zeros(1, 2, dtype=torch.int64), noise=RejectionNoise(**noise))
 
 
 @pytest.mark.parametrize("kwargs,error,name", [
@@ -720,3 +749,14 @@ def test_process_logits_matches_the_reference_definition(params):
     logits = torch.randn(3, 4, 57, generator=torch.Generator().manual_seed(3)) * 3
     logits[0, 0, :6] = 1.5  # ties at the top-k / top-p boundary
     torch.testing.assert_close(process_logits(logits, **params), reference(logits, **params))
+
+
+def test_top_p_one_keeps_every_token_in_the_reference_too():
+    """top_p = 1.0 is off on every path: summing the mass of the larger entries can round up to
+    1.0 for the smallest ones, which the reference then dropped (the fast path did not)."""
+    from specdec_kernels.reference.sampling import process_logits as reference
+
+    logits = torch.randn(4, 2, 300, generator=torch.Generator().manual_seed(0)) * 4
+    unfiltered = reference(logits, 0.7)
+    assert torch.equal(reference(logits, 0.7, top_p=1.0), unfiltered)
+    assert torch.equal(process_logits(logits, 0.7, top_p=1.0) > 0, unfiltered > 0)

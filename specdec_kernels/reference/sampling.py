@@ -37,7 +37,7 @@ def process_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0
             keep = torch.ones(V, dtype=torch.bool)
             if top_k is not None:
                 keep &= larger.sum(1) < top_k
-            if top_p is not None:
+            if top_p is not None and top_p < 1.0:  # 1.0 keeps every entry (rounding could drop tails)
                 p = torch.softmax(x.masked_fill(~keep, float("-inf")), 0)
                 keep &= (larger.float() * p[None, :]).sum(1) < top_p
             out[b].view(-1, V)[r] = torch.softmax(x.masked_fill(~keep, float("-inf")), 0)
