@@ -347,6 +347,9 @@ def _validate_common(
         for t in noise:
             if t is not None and t.device != device:
                 raise ValueError(f"noise tensors must be on {device}, got {t.device}")
+        if backend == "reference" and noise.uniform is None and noise.exponential is None:
+            raise ValueError("the reference backend consumes noise.uniform ([B, 2] float32) or "
+                             "noise.exponential ([B, V]); both are None")
     if validate:
         if noise is not None:
             ranges = (("accept", noise.accept, (noise.accept > 0) & (noise.accept <= 1), "(0, 1]"),
@@ -496,8 +499,8 @@ def process_logits(
     """
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.ndim < 2:
-        raise ValueError(f"logits must have shape [B, ..., V], got {tuple(logits.shape)}")
+    if logits.ndim < 2 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [B, ..., V] with V >= 1, got {tuple(logits.shape)}")
     if logits.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
     B = logits.shape[0]
@@ -536,6 +539,8 @@ def sample_logits(
         ``[B]`` int64 token ids in ``[0, V)``.
     """
     _check_tensor("logits", logits, 2)
+    if logits.shape[-1] < 1:
+        raise ValueError(f"logits must have a vocabulary of V >= 1 entries, got shape {tuple(logits.shape)}")
     _check_generator(generator, logits.device)
     if not isinstance(temperature, torch.Tensor) and temperature == 0:
         _check_sampling_params(temperature, top_k, top_p, logits.shape[0], logits.device)

@@ -760,3 +760,17 @@ def test_top_p_one_keeps_every_token_in_the_reference_too():
     unfiltered = reference(logits, 0.7)
     assert torch.equal(reference(logits, 0.7, top_p=1.0), unfiltered)
     assert torch.equal(process_logits(logits, 0.7, top_p=1.0) > 0, unfiltered > 0)
+
+
+def test_empty_vocabulary_and_reference_noise_without_uniforms_are_clear_errors():
+    with pytest.raises(ValueError, match="V >= 1"):
+        sample_logits(torch.randn(2, 0), 1.0)
+    with pytest.raises(ValueError, match="V >= 1"):
+        process_logits(torch.randn(2, 0))
+    probs = torch.softmax(torch.randn(1, 2, 5), -1)
+    noise = RejectionNoise(torch.full((1, 1), 0.5))  # accept only: the reference needs a draw as well
+    ids = torch.zeros(1, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="reference backend consumes noise.uniform"):
+        rejection_sample(probs, None, ids, noise=noise, backend="reference")
+    with pytest.raises(ValueError, match="reference backend consumes noise.uniform"):
+        rejection_sample_logits(probs.log(), None, ids, noise=noise, backend="reference")
