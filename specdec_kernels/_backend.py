@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import numbers
 import os
 
 import torch
@@ -93,6 +94,16 @@ def check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.d
         raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} must be on {on}, got {t.device}")
+
+
+def is_int(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A real number (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def as_float32(x: torch.Tensor) -> torch.Tensor:

@@ -20,20 +20,19 @@ boolean mask, whose result size depends on the mask's values.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
 
-from ._backend import check_lengths_tensor, device_check, resolve_backend
+from ._backend import check_lengths_tensor, device_check, is_int, resolve_backend
 
 
 def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.device, most: int) -> torch.Tensor:
     """``value`` as a [batch] int64 tensor on ``device`` (an int, checked to lie in ``0 .. most``
     on the host, is broadcast; a tensor's values are the caller's device check)."""
-    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.Tensor)):
+    if not (is_int(value) or isinstance(value, torch.Tensor)):
         raise ValueError(f"{name} must be an int or a [B] integer tensor, got {type(value).__name__}")
-    if isinstance(value, numbers.Integral):
+    if is_int(value):
         if not 0 <= value <= most:
             raise ValueError(f"{name} must lie in 0..{most}, got {value}")
         return torch.full((batch,), int(value), dtype=torch.int64, device=device)

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._backend import check_lengths_tensor, device_check
-from .sampling import _check_sampling_params, _is_int, _is_real, rejection_sample_logits, sample_logits
+from ._backend import check_lengths_tensor, device_check, is_int, is_real
+from .sampling import _check_sampling_params, rejection_sample_logits, sample_logits
 
 # --------------------------------------------------------------------------- results
 
@@ -113,7 +113,7 @@ class PromptLookupDraft:
     min_ngram: int = 1
 
     def __post_init__(self) -> None:
-        if not (_is_int(self.min_ngram) and _is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
+        if not (is_int(self.min_ngram) and is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
             raise ValueError(f"min_ngram and max_ngram must be ints with 1 <= min_ngram <= max_ngram, got "
                              f"{self.min_ngram!r}, {self.max_ngram!r}")
 
@@ -133,7 +133,7 @@ class PromptLookupDraft:
             ValueError: bad shapes or dtypes, ``k`` not an int >= 1; a length outside ``0 .. L``
                 (`DeviceCheckError` on CPU, a device assert on CUDA).
         """
-        if not _is_int(k) or k < 1:
+        if not is_int(k) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.dtype != torch.int64:
             is_tensor = isinstance(context, torch.Tensor)
@@ -279,25 +279,25 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     B, P = input_ids.shape
     if B == 0 or P == 0:
         raise ValueError(f"input_ids must hold at least one non-empty prompt, got shape {tuple(input_ids.shape)}")
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)  # NumPy ints become Python ints from here on
     if isinstance(temperature, torch.Tensor):  # the loop samples with one temperature
         raise TypeError("temperature must be a float (per-row temperatures: rejection_sample_logits / "
                         "sample_logits)")
     # NumPy scalars become Python numbers (the samplers take Python ints and floats).
-    temperature, top_p = (float(x) if _is_real(x) else x for x in (temperature, top_p))
-    top_k = int(top_k) if _is_int(top_k) else top_k
+    temperature, top_p = (float(x) if is_real(x) else x for x in (temperature, top_p))
+    top_k = int(top_k) if is_int(top_k) else top_k
     _check_sampling_params(temperature, top_k, top_p, B, input_ids.device)
-    if seed is not None and not _is_int(seed):
+    if seed is not None and not is_int(seed):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed must lie in [-2**63, 2**64) (a torch.Generator seed), got {seed}")
-    if pad_token_id is not None and not _is_int(pad_token_id):
+    if pad_token_id is not None and not is_int(pad_token_id):
         raise TypeError(f"pad_token_id must be an int or None, got {type(pad_token_id).__name__}")
     if pad_token_id is not None and not -(2**63) <= pad_token_id < 2**63:
         raise ValueError(f"pad_token_id must fit int64 (the output's dtype), got {pad_token_id}")
-    if max_cache_len is not None and (not _is_int(max_cache_len) or max_cache_len < 1):
+    if max_cache_len is not None and (not is_int(max_cache_len) or max_cache_len < 1):
         raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
     max_cache_len = None if max_cache_len is None else int(max_cache_len)
     if attention_mask is None:
@@ -322,24 +322,26 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
         raise ValueError(f"input_ids must be in [0, {vocab}) where attention_mask is 1")
     # The cache holds the prompt and every generated token but the newest; a speculative step
     # (there is none when the prefill's token is the only one) also writes its drafts past them.
-    needed = int(lengths.max()) + max_new_tokens - 1 + (lookahead if max_new_tokens > 1 else 0)
+    longest = int(lengths.max())
+    drafts = min(lookahead, max_new_tokens - 1)  # drafts past the token budget are never made
+    needed = longest + max_new_tokens - 1 + drafts
     if max_cache_len is None:
         max_cache_len = needed
     elif max_cache_len < needed:
         raise ValueError(f"max_cache_len={max_cache_len} is too small: the longest prompt "
-                         f"({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) - 1"
-                         + (f" + {lookahead} drafts per step" if lookahead else "") + f" needs {needed}")
+                         f"({longest} tokens) + max_new_tokens ({max_new_tokens}) - 1"
+                         + (f" + {drafts} drafts per step" if drafts else "") + f" needs {needed}")
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if limit is not None and int(lengths.max()) + max_new_tokens > limit:
-        raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's max_position_embeddings ({limit})")
     eos_ids = ([] if eos_token_id is None else list(eos_token_id) if isinstance(eos_token_id, Sequence)
                else [eos_token_id])
-    if not all(_is_int(i) and 0 <= i < vocab for i in eos_ids):
+    if not all(is_int(i) and 0 <= i < vocab for i in eos_ids):
         raise ValueError(f"eos_token_id must be None, an int or ints in [0, {vocab}), got {eos_token_id!r}")
     eos = torch.tensor(eos_ids, dtype=torch.int64, device=input_ids.device)
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real tokens first
-    longest = int(lengths.max())  # columns past the longest prompt are padding in every row
+    # Columns past the longest prompt are padding in every row.
     prompt = torch.where(torch.arange(longest, device=input_ids.device) < lengths[:, None],
                          input_ids.gather(1, order[:, :longest]), 0).long()
     generator = None
@@ -487,7 +489,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     Returns:
         `GenerationOutput`; ``stats`` has acceptance counts, forward counts and phase times.
     """
-    if not _is_int(num_draft_tokens) or num_draft_tokens < 1:
+    if not is_int(num_draft_tokens) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
     _check_model(target, "target")
     if isinstance(draft, str):
@@ -500,13 +502,11 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft.vocab_size}, "
                              f"target.vocab_size={target.vocab_size}")
-    # Drafts past the token budget could never be kept: at most max_new_tokens - 1 per step.
-    K = int(num_draft_tokens)
-    if _is_int(max_new_tokens) and max_new_tokens >= 1:
-        K = max(1, min(K, int(max_new_tokens) - 1))
     t_start = time.perf_counter()
     request = _prepare(target, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
-                       eos_token_id, pad_token_id, seed, max_cache_len, lookahead=K)
+                       eos_token_id, pad_token_id, seed, max_cache_len, lookahead=int(num_draft_tokens))
+    # Drafts past the token budget could never be kept: at most max_new_tokens - 1 per step.
+    K = max(1, min(int(num_draft_tokens), request.max_new_tokens - 1))
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
     rows = torch.arange(B, device=device)

@@ -38,12 +38,11 @@ noise explicitly to compare it with the reference token for token.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import NamedTuple
 
 import torch
 
-from ._backend import device_check, resolve_backend
+from ._backend import device_check, is_int, resolve_backend
 
 __all__ = [
     "RejectionNoise",
@@ -164,9 +163,9 @@ def make_rejection_noise(
     """
     device = torch.device(device)
     for name, value in (("batch", batch), ("num_draft", num_draft)):
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    if vocab is not None and (not _is_int(vocab) or vocab < 1):
+    if vocab is not None and (not is_int(vocab) or vocab < 1):
         raise ValueError(f"vocab must be an int >= 1 or None, got {vocab!r}")
     batch, num_draft, vocab = int(batch), int(num_draft), None if vocab is None else int(vocab)
     _check_generator_and_seed(generator, seed, batch, device, on=None)  # a seed tensor is moved to ``device``
@@ -216,6 +215,15 @@ def _check_probs_values(name: str, t: torch.Tensor, used: torch.Tensor) -> None:
                              "(pass validate=False to skip this check)")
 
 
+def _rows_read(num_draft_tokens: torch.Tensor | None, B: int, K: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions the sampler reads: target [B, K+1] (``j <= n_b``) and draft [B, K]
+    (``j < n_b``) bool masks, from counts already checked to lie in ``[0, K]``."""
+    counts = torch.full((B, 1), K, device=device) if num_draft_tokens is None else num_draft_tokens.view(B, 1)
+    positions = torch.arange(K + 1, device=device)
+    return positions <= counts, positions[:K] < counts
+
+
 def _check_generator(generator: torch.Generator | None, device: torch.device) -> None:
     """``generator`` is None or a torch.Generator for ``device``'s kind (cpu / cuda)."""
     if generator is None:
@@ -224,16 +232,6 @@ def _check_generator(generator: torch.Generator | None, device: torch.device) ->
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if generator.device.type != device.type:
         raise ValueError(f"generator is a {generator.device.type} generator but the tensors are on {device}")
-
-
-def _is_int(value: object) -> bool:
-    """An integer (Python or NumPy), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    """A real number (Python or NumPy), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check_generator_and_seed(generator: torch.Generator | None, seed: int | torch.Tensor | None, B: int,
@@ -251,7 +249,7 @@ def _check_generator_and_seed(generator: torch.Generator | None, seed: int | tor
             raise ValueError(f"seed must be an int or a [B] = [{B}] int64 tensor, got {seed.dtype} {tuple(seed.shape)}")
         if on is not None and seed.device != device:
             raise ValueError(f"seed is on {seed.device} but {on} is on {device}")
-    elif not _is_int(seed):
+    elif not is_int(seed):
         raise TypeError(f"seed must be an int or a [B] int64 tensor, got {type(seed).__name__}")
     elif not -(2**63) <= seed < 2**63 - B:
         raise ValueError(f"seed must fit int64 (per-row seeds are seed + b), got {seed}")
@@ -351,15 +349,13 @@ def _validate_common(
             raise ValueError("the reference backend consumes noise.uniform ([B, 2] float32) or "
                              "noise.exponential ([B, V]); both are None")
     if validate:
-        if noise is not None:
-            ranges = (("accept", noise.accept, (noise.accept > 0) & (noise.accept <= 1), "(0, 1]"),
-                      ("uniform", noise.uniform, (noise.uniform >= 0) & (noise.uniform < 1), "[0, 1)")
-                      if noise.uniform is not None else None,
-                      ("exponential", noise.exponential, (noise.exponential > 0) & noise.exponential.isfinite(),
-                       "(0, inf)") if noise.exponential is not None else None)
-            for field, _, ok, interval in filter(None, ranges):
-                if not bool(ok.all()):
-                    raise ValueError(f"noise.{field} must lie in {interval} (pass validate=False to skip this check)")
+        ranges = {"accept": ("(0, 1]", lambda t: (t > 0) & (t <= 1)),
+                  "uniform": ("[0, 1)", lambda t: (t >= 0) & (t < 1)),
+                  "exponential": ("(0, inf)", lambda t: (t > 0) & t.isfinite())}
+        for field, (interval, inside) in ranges.items():
+            t = None if noise is None else getattr(noise, field)
+            if t is not None and not bool(inside(t).all()):
+                raise ValueError(f"noise.{field} must lie in {interval} (pass validate=False to skip this check)")
         if num_draft_tokens is not None and bool(((num_draft_tokens < 0) | (num_draft_tokens > K)).any()):
             raise ValueError(f"num_draft_tokens must lie in [0, K] = [0, {K}]")
         if bool(((draft_token_ids < 0) | (draft_token_ids >= V)).any()):
@@ -696,8 +692,8 @@ def rejection_sample(
         noise: explicit random inputs (`RejectionNoise`), for exact tests; overrides
             generator / seed.
         validate: check values (NaN, inf, negative probabilities, rows not summing to 1, ids,
-            counts and explicit noise out of range); this reads tensors on the host. Default: True for CPU tensors,
-            False otherwise.
+            counts and explicit noise out of range); this reads tensors on the host. Default:
+            True for CPU tensors, False otherwise.
             Without validation, emitted ids are still always in ``[0, V)``.
         backend: ``"auto"`` | ``"reference"`` | ``"torch"`` | ``"triton"``.
 
@@ -710,11 +706,10 @@ def rejection_sample(
         ("target_probs", "draft_probs"), validate, backend,
     )
     if validate:  # counts are checked by now; rows past a row's count are never read
-        n = torch.full((B,), K, device=target_probs.device) if num_draft_tokens is None else num_draft_tokens
-        positions = torch.arange(K + 1, device=target_probs.device)
-        _check_probs_values("target_probs", target_probs, positions <= n[:, None])
+        target_read, draft_read = _rows_read(num_draft_tokens, B, K, target_probs.device)
+        _check_probs_values("target_probs", target_probs, target_read)
         if draft_probs is not None:
-            _check_probs_values("draft_probs", draft_probs, positions[:K] < n[:, None])
+            _check_probs_values("draft_probs", draft_probs, draft_read)
     if backend == "reference":
         from .reference.sampling import rejection_sample as reference
 
@@ -800,11 +795,9 @@ def rejection_sample_logits(
         # all -inf row or an overflowing logits / temperature would leave no distribution.
         divisor = (torch.where(temperature > 0, temperature, 1.0)[:, None] if isinstance(temperature, torch.Tensor)
                    else temperature or 1.0)
-        counts = (torch.full((B, 1), K, device=target_logits.device) if num_draft_tokens is None
-                  else num_draft_tokens.view(B, 1))
-        positions = torch.arange(K + 1, device=counts.device)
-        for name, t, used in (("target_logits", target_logits, positions <= counts),  # rows the sampler reads
-                              ("draft_logits", draft_logits, positions[:K] < counts)):
+        target_read, draft_read = _rows_read(num_draft_tokens, B, K, target_logits.device)
+        for name, t, used in (("target_logits", target_logits, target_read),
+                              ("draft_logits", draft_logits, draft_read)):
             if t is None or not t.numel():
                 continue
             if not bool(((t.float().amax(-1) / divisor).isfinite() | ~used).all()):
