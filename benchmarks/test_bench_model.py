@@ -2,8 +2,8 @@
 
 - ``test_matmuls``: one pass over the weights of every layer plus the LM head (what a forward's
   matmuls read), for ``rows`` = B * T activation rows, computed weight first (``weight @ x^T``,
-  what `specdec_kernels.model.linear` does on the CPU for 2 to 63 rows) and as ``F.linear``
-  (``x @ weight^T``, what it does for one row and for 64 or more: 102 and 816 rows are the
+  what `specdec_kernels.model.linear` does on the CPU for 4 to 63 rows) and as ``F.linear``
+  (``x @ weight^T``, what it does for 1 to 3 rows and for 64 or more: 102 and 816 rows are the
   generation benchmark's batch-1 and batch-8 prompts, padded).
 - ``test_decode_step``: one decode step (B = 1 or 8, T = 1, 80 tokens cached) of a random-weight
   model with SmolLM2-135M's config; ``extra_info["aten_ops"]`` counts the ATen ops it dispatches
@@ -45,13 +45,15 @@ def weights():
     return smollm2_weights()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 40, 64, 102, 816])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 40, 64, 102, 816])
 @pytest.mark.parametrize("impl", ["weight_first", "F.linear"])
 def test_matmuls(benchmark, weights, impl, rows):
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     weight_first = lambda x, w: torch.mm(w, x.t()).t()
     matmul = weight_first if impl == "weight_first" else F.linear
-    torch.testing.assert_close(weight_first(inputs[576], weights[0]), F.linear(inputs[576], weights[0]))
+    # Same product, summed in another order (entries are sums of 576 unit-variance terms, ~24).
+    torch.testing.assert_close(weight_first(inputs[576], weights[0]), F.linear(inputs[576], weights[0]),
+                               rtol=1e-5, atol=1e-4)
 
     def one_pass():
         for w in weights:

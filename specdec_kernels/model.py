@@ -85,14 +85,15 @@ class LlamaConfig:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [..., in] and ``weight`` [out, in] (``F.linear`` without bias).
 
-    On the CPU, for 2 to 63 rows, it is computed as ``(weight @ x^T)^T``, which MKL runs faster
+    On the CPU, for 4 to 63 rows, it is computed as ``(weight @ x^T)^T``, which MKL runs faster
     than ``F.linear``'s ``x @ weight^T`` there: over SmolLM2's weights on this project's 2-core
-    machines 1.26-1.40 x at 8 and 40 rows, but 1.1 x slower at one row and 0.8-1.1 x from 64
-    rows up (`benchmarks/test_bench_model.py`), where ``F.linear`` is kept. The result is then
-    a transposed view; the element-wise ops that follow read it in place.
+    machines 1.26-1.40 x at 8 and 40 rows, but 1.1-1.2 x slower at one row, 1.4-1.6 x slower at
+    2 and 3 rows (where MKL runs ``F.linear`` at one row's cost) and 0.8-1.1 x from 64 rows up
+    (`benchmarks/test_bench_model.py`), where ``F.linear`` is kept. The result is then a
+    transposed view; the element-wise ops that follow read it in place.
     """
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or not 2 <= rows < 64:
+    if x.device.type != "cpu" or not 4 <= rows < 64:
         return F.linear(x, weight)
     return torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
 

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdec_kernels import KVCache
-from specdec_kernels.model import Llama, LlamaConfig
+from specdec_kernels.model import Llama, LlamaConfig, linear
 from specdec_kernels.testing import assert_close
 
 from tiny_models import tiny_config, tiny_llama
@@ -202,3 +203,14 @@ def test_sliding_window_caps_the_context():
     assert generate(model, ids, max_new_tokens=6).tokens.shape == (1, 6)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         generate(model, ids, max_new_tokens=7)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 63, 64, 65])
+def test_linear_matches_f_linear_at_every_row_count(rows):
+    # `linear` switches between x @ W^T and (W @ x^T)^T by row count; both are the same product.
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(40, 24, generator=gen)
+    x = torch.randn(rows, 1, 24, generator=gen)
+    out = linear(x, weight)
+    assert out.shape == (rows, 1, 40)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
