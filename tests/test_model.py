@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec_kernels import KVCache
-from specdec_kernels.model import Llama, LlamaConfig, linear
+from specdec_kernels.model import Llama, LlamaConfig, RMSNorm, linear
 from specdec_kernels.testing import assert_close
 
 from tiny_models import tiny_config, tiny_llama
@@ -214,3 +214,17 @@ def test_linear_matches_f_linear_at_every_row_count(rows):
     out = linear(x, weight)
     assert out.shape == (rows, 1, 40)
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rms_norm_matches_hugging_face_arithmetic(dtype):
+    # Hugging Face's LlamaRMSNorm: normalize in fp32, cast to the input dtype, then scale.
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    x = (torch.randn(3, 2, 96, generator=gen) * 4).to(dtype)
+    x32 = x.float()
+    expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype) * norm.weight
+    out = norm(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected)  # within the dtype's rounding
