@@ -6,8 +6,10 @@ that appends its keys and values at each row's own cache length and advances
 returning a cache that has ``lengths`` [B], ``crop(lengths)`` and ``select(rows)``
 (`specdec_kernels.KVCache`; `specdec_kernels.Llama` is the built-in model). Two optional
 keywords are used when the model's ``forward`` takes them: ``last_only=True`` (logits of each
-row's last real token only, [B, 1, V]) and ``num_tokens=`` (``q_seqlens.sum()`` as a host int,
-known to the loops without an extra sync, so the model can skip padding positions).
+row's last real token only, [B, 1, V]), ``num_tokens=`` (``q_seqlens.sum()`` as a host int,
+known to the loops without an extra sync, so the model can skip padding positions) and
+``max_seqlen=`` (a host int >= every row's cache length after the call, read in the loop's one
+transfer per step, so attention can read that many positions instead of the cache's capacity).
 
 Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
 reads a device value on the host except the one "which rows are done?" check, which
@@ -212,24 +214,31 @@ def _keywords(forward) -> frozenset[str]:
 
 def _accepts(model, keyword: str) -> bool:
     """Whether ``model``'s forward takes the optional protocol extension ``keyword``:
-    ``last_only`` (return only each row's last logits, saving the full [B, T, V] head) or
-    ``num_tokens`` (the host-known ``q_seqlens.sum()``, letting the model skip padding)."""
+    ``last_only`` (return only each row's last logits, saving the full [B, T, V] head),
+    ``num_tokens`` (the host-known ``q_seqlens.sum()``, letting the model skip padding) or
+    ``max_seqlen`` (a host bound on the cache lengths after the call)."""
     forward = getattr(type(model), "forward", None)
     return forward is not None and keyword in _keywords(forward)
 
 
-def _forward(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, **kwargs) -> torch.Tensor:
-    """``model(input_ids, cache, q_seqlens)``, telling it ``num_tokens`` where it listens."""
+def _forward(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
+             max_seqlen: int | None = None, **kwargs) -> torch.Tensor:
+    """``model(input_ids, cache, q_seqlens)``, telling it ``num_tokens`` and ``max_seqlen`` where
+    it listens."""
     if num_tokens is not None and q_seqlens is not None and _accepts(model, "num_tokens"):
         kwargs["num_tokens"] = num_tokens
+    if max_seqlen is not None and _accepts(model, "max_seqlen"):
+        kwargs["max_seqlen"] = max_seqlen
     return model(input_ids, cache, q_seqlens, **kwargs)
 
 
-def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None) -> torch.Tensor:
+def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
+                 max_seqlen: int | None = None) -> torch.Tensor:
     """[B, V] logits at each row's last real input position (``q_seqlens`` None: position T-1)."""
     if _accepts(model, "last_only"):
-        return _forward(model, input_ids, cache, q_seqlens, num_tokens, last_only=True)[:, -1]
-    logits = _forward(model, input_ids, cache, q_seqlens, num_tokens)
+        logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, last_only=True)
+        return logits[:, -1]
+    logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen)
     if q_seqlens is None:
         return logits[:, -1]
     index = (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
@@ -396,17 +405,17 @@ def _new_stats(batch_size: int, device) -> GenerationStats:
     return GenerationStats(zeros(), zeros(), zeros(), zeros())
 
 
-def _rows_still_running(done: torch.Tensor, num_drafts: torch.Tensor | None = None) -> tuple[list[int], int, int]:
+def _rows_still_running(done: torch.Tensor, *values: torch.Tensor) -> tuple[list[int], list[int]]:
     """The loop's one host synchronization per step: which batch positions are still running,
-    and (read in the same transfer) the most drafts any of them proposes next and their total
-    (0 and 0 without drafts)."""
-    if num_drafts is None:
-        return [i for i, d in enumerate(done.tolist()) if not d], 0, 0
-    proposed = num_drafts.masked_fill(done, 0)
-    values = torch.cat([done.long(), proposed.amax(0, keepdim=True), proposed.sum(0, keepdim=True)]).tolist()
-    total = values.pop()
-    widest = values.pop()
-    return [i for i, d in enumerate(values) if not d], widest, total
+    and the 0-d integer ``values`` (cache lengths, draft counts) read in the same transfer."""
+    flat = torch.cat([done.long(), *(v.view(1).long() for v in values)]).tolist()
+    B = done.shape[0]
+    return [i for i, d in enumerate(flat[:B]) if not d], flat[B:]
+
+
+def _longest_running(cache, done: torch.Tensor) -> torch.Tensor:
+    """0-d: the longest cache row among the rows still running, a bound for their next forward."""
+    return cache.lengths.masked_fill(done, 0).max()
 
 
 # --------------------------------------------------------------------------- plain generation
@@ -442,13 +451,14 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     rows = torch.arange(B, device=device)  # input row of each batch position
     cache = _new_cache(model, "model", B, request.max_len, device)
     with timer("prefill"):
-        logits = _last_logits(model, request.prompt, cache, request.prompt_lengths, request.prompt_tokens)
+        logits = _last_logits(model, request.prompt, cache, request.prompt_lengths, request.prompt_tokens,
+                              max_seqlen=request.prompt.shape[1])
     stats.target_forwards += 1
     while True:
         with timer("sampler"):
             token = request.sample(logits)
         _, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
-        running, _, _ = _rows_still_running(done)
+        running, (longest,) = _rows_still_running(done, _longest_running(cache, done))
         if not running:
             break
         if len(running) < len(rows):
@@ -456,7 +466,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             rows, token, cache = rows[keep], token[keep], cache.select(keep)
         stats.num_steps[rows] += 1
         with timer("target"):
-            logits = _last_logits(model, token[:, None], cache)
+            logits = _last_logits(model, token[:, None], cache, max_seqlen=longest + 1)
         stats.target_forwards += 1
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
@@ -513,7 +523,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
 
     target_cache = _new_cache(target, "target", B, request.max_len, device)
     with timer("prefill"):
-        logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths, request.prompt_tokens)
+        logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths, request.prompt_tokens,
+                              max_seqlen=request.prompt.shape[1])
     stats.target_forwards += 1
     if lookup:  # token history: prompt, then everything emitted
         context = torch.zeros(B, request.prompt.shape[1] + request.max_new_tokens + K + 1, dtype=torch.int64,
@@ -524,7 +535,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         draft_cache = _new_cache(draft, "draft", B, request.max_len, device)
         with timer("prefill"):
             draft_prefill = _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths,
-                                         request.prompt_tokens)
+                                         request.prompt_tokens, max_seqlen=request.prompt.shape[1])
         stats.draft_forwards += 1
         if (draft_prefill.dtype, draft_prefill.device) != (logits.dtype, logits.device):
             raise ValueError(f"draft must produce logits like the target's ({logits.dtype} on {logits.device}), "
@@ -547,7 +558,13 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     while True:
         # Prompt lookup proposes before the check, so that the verify width (1 + the most
         # drafts any row has) is known on the host without a second synchronization.
-        running, widest, total_drafts = _rows_still_running(done, num_drafts)
+        if lookup:
+            proposed = num_drafts.masked_fill(done, 0)
+            running, (target_longest, widest, total_drafts) = _rows_still_running(
+                done, _longest_running(target_cache, done), proposed.amax(), proposed.sum())
+        else:
+            running, (target_longest, draft_longest) = _rows_still_running(
+                done, _longest_running(target_cache, done), _longest_running(draft_cache, done))
         if not running:
             break
         if len(running) < len(rows):
@@ -566,14 +583,16 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 draft_ids, draft_logits = draft_ids[:, :widest], None
             else:
                 draft_start = draft_cache.lengths.clone()
-                step_logits = _last_logits(draft, pending, draft_cache, pending_lengths)
+                step_logits = _last_logits(draft, pending, draft_cache, pending_lengths,
+                                           max_seqlen=draft_longest + 2)
                 draft_logits = torch.empty(b, K, target.vocab_size, dtype=step_logits.dtype, device=device)
                 draft_ids = torch.empty(b, K, dtype=torch.int64, device=device)
                 for i in range(K):
                     draft_logits[:, i] = step_logits
                     draft_ids[:, i] = request.sample(step_logits)
                     if i + 1 < K:
-                        step_logits = _last_logits(draft, draft_ids[:, i: i + 1], draft_cache)
+                        step_logits = _last_logits(draft, draft_ids[:, i: i + 1], draft_cache,
+                                                   max_seqlen=draft_longest + 3 + i)
                 num_drafts = torch.full((b,), K, dtype=torch.int64, device=device)
         stats.draft_forwards += 0 if lookup else K
 
@@ -583,10 +602,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             # Every row verifies 1 + K tokens unless prompt lookup left some rows with fewer.
             ragged = lookup and widest > 0
             verify_ids = torch.cat([last[:, None], draft_ids], 1)
+            longest = target_longest + verify_ids.shape[1]
             if ragged:  # b + total_drafts real tokens, known on the host: the model may skip padding
-                target_logits = _forward(target, verify_ids, target_cache, num_drafts + 1, b + total_drafts)
+                target_logits = _forward(target, verify_ids, target_cache, num_drafts + 1, b + total_drafts,
+                                         max_seqlen=longest)
             else:
-                target_logits = target(verify_ids, target_cache)
+                target_logits = _forward(target, verify_ids, target_cache, max_seqlen=longest)
         stats.target_forwards += 1
 
         # 3. Accept a prefix, emit one corrected or bonus token.

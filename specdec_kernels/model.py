@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import as_float32, device_check
+from ._backend import as_float32, device_check, is_int
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
 
@@ -186,7 +186,8 @@ class Attention(nn.Module):
         qk = step.rope(qkv[:, :, : H + Hkv])          # q and k rotated together
         cache.append(layer, qk[:, :, H:], qkv[:, :, H + Hkv:], plan=step.append)
         plan = step.attention
-        out = ragged_attention(qk[:, :, :H], cache.k[layer], cache.v[layer], plan.cache_seqlens,
+        S = plan.max_len  # positions attention reads: the cache's capacity or a bound on the lengths
+        out = ragged_attention(qk[:, :, :H], cache.k[layer][:, :S], cache.v[layer][:, :S], plan.cache_seqlens,
                                plan.q_seqlens, plan=plan)
         return linear(step.pack(out.reshape(B, T, H * D)), self.wo.weight)
 
@@ -252,7 +253,8 @@ class Llama(nn.Module):
                        self.config.head_dim, dtype=dtype or weight.dtype, device=device or weight.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
-                last_only: bool = False, num_tokens: int | None = None) -> torch.Tensor:
+                last_only: bool = False, num_tokens: int | None = None, max_seqlen: int | None = None
+                ) -> torch.Tensor:
         """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
 
         Args:
@@ -264,6 +266,12 @@ class Llama(nn.Module):
             num_tokens: ``q_seqlens.sum()``, when the caller knows it on the host. The per-token
                 layers (projections, MLP, norms, LM head) then skip the padding; without it they
                 run on all B * T positions (finding the real ones would need a host sync).
+            max_seqlen: an int >= every row's cache length after this pass (``cache.lengths +
+                q_seqlens``), when the caller knows one on the host. Attention then reads only
+                the first ``max_seqlen`` positions of each row instead of the cache's whole
+                capacity (on the CPU its cost follows the positions read); a bound above the
+                capacity means the capacity. A row longer than the bound is an error (checked
+                on the device: a ValueError on CPU, a device assert on CUDA).
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
@@ -279,7 +287,8 @@ class Llama(nn.Module):
         append = cache.plan_append(T, q_seqlens)  # validates q_seqlens
         q_seqlens = append.q_seqlens
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
-        attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=cache.max_len)
+        attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T,
+                                        max_len=self._positions_read(cache_seqlens, max_seqlen, T, cache.max_len))
         packed = self._real_tokens(q_seqlens, num_tokens, B, T)
         step = _Step(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
         x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])
@@ -296,6 +305,20 @@ class Llama(nn.Module):
             return linear(self.norm(x), self.output.weight).contiguous()
         logits = step.unpack(linear(self.norm(x), self.output.weight))
         return logits.contiguous()  # [B, T, V] rows, vocab contiguous
+
+    @staticmethod
+    def _positions_read(cache_seqlens: torch.Tensor, max_seqlen: int | None, T: int, capacity: int) -> int:
+        """How many positions of each row attention reads: ``max_seqlen`` (checked) or the capacity."""
+        if max_seqlen is None:
+            return capacity
+        if not is_int(max_seqlen) or max_seqlen < T:
+            raise ValueError(f"max_seqlen must be an int >= T = {T} (the cache lengths after this pass "
+                             f"include the new tokens), got {max_seqlen!r}")
+        if max_seqlen >= capacity:  # the plan checks the lengths against the capacity
+            return capacity
+        device_check((cache_seqlens <= max_seqlen).all(),
+                     f"max_seqlen={max_seqlen} is below a row's cache length after this pass")
+        return int(max_seqlen)
 
     @staticmethod
     def _real_tokens(q_seqlens: torch.Tensor | None, num_tokens: int | None, B: int, T: int) -> torch.Tensor | None:

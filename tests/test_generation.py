@@ -216,6 +216,46 @@ def test_loops_tell_the_model_how_many_tokens_are_real(target):
     assert seen[0] == ids.shape[1] and len(seen) > 1  # the prefill, then ragged verifies
 
 
+@pytest.mark.parametrize("draft", [None, "layers", "prompt_lookup"])
+def test_loops_bound_the_cache_lengths_for_the_model(target, draft):
+    """Every forward is told max_seqlen, a bound on the rows' cache lengths after the call (read in
+    the loop's one transfer per step, over the rows still running): never below them, at most
+    one above the longest row before the call plus the new tokens (the draft's steps after a
+    ragged first one), and exact for plain decoding. A large cache capacity changes no token."""
+    calls = []
+
+    class Recording(type(target)):
+        def forward(self, input_ids, cache, q_seqlens=None, *, max_seqlen=None, **kwargs):
+            before = int(cache.lengths.max())
+            logits = super().forward(input_ids, cache, q_seqlens, max_seqlen=max_seqlen, **kwargs)
+            calls.append((max_seqlen, before, int(cache.lengths.max()), input_ids.shape[1]))
+            return logits
+
+    def recording(model):
+        wrapped = Recording.__new__(Recording)
+        wrapped.__dict__ = model.__dict__
+        return wrapped
+
+    ids, mask = ragged_prompts(B=5)
+    ids = torch.cat([ids, ids[:, -4:], ids[:, -4:]], 1)  # repeats for prompt lookup to find
+    mask = torch.cat([mask, torch.ones(5, 8, dtype=mask.dtype)], 1)
+
+    def run(model, **kw):
+        if draft is None:
+            return generate(model, ids, mask, max_new_tokens=10, temperature=0, **kw)
+        drafter = recording(target.truncated(1)) if draft == "layers" else draft
+        return speculative_generate(model, drafter, ids, mask, num_draft_tokens=3, max_new_tokens=10,
+                                    temperature=0, **kw)
+
+    out = run(recording(target), max_cache_len=200)
+    assert len(calls) > 3
+    for bound, before, after, T in calls:
+        assert bound is not None and after <= bound <= before + T + 1, calls
+    if draft is None:  # one token per row and step: the bound is exact
+        assert all(bound == after for bound, _, after, _ in calls[1:]), calls
+    assert torch.equal(out.tokens, run(target).tokens)
+
+
 def test_prompt_lookup_proposals():
     context = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 0, 0], [5, 6, 5, 0, 0, 0, 0, 0, 0],
                             [4, 8, 15, 16, 23, 42, 0, 0, 0], [7, 1, 7, 2, 7, 3, 7, 0, 0]])

@@ -98,6 +98,49 @@ def test_num_tokens_skips_padding_with_the_same_results(kv_heads):
             assert_close(model(step, cache), reference, dtype=torch.float32)
 
 
+def test_max_seqlen_reads_fewer_positions_with_the_same_results(monkeypatch):
+    """Told a bound on the lengths, attention reads that many positions of a larger cache; logits
+    and lengths agree with reading the whole capacity."""
+    import specdec_kernels.model as model_module
+
+    positions_read = []
+    attend = model_module.ragged_attention
+
+    def spy(q, k_cache, *args, **kwargs):
+        positions_read.append(k_cache.shape[1])
+        return attend(q, k_cache, *args, **kwargs)
+
+    monkeypatch.setattr(model_module, "ragged_attention", spy)
+    model = tiny_llama(seed=7)
+    gen = torch.Generator().manual_seed(7)
+    prompt, q = torch.randint(0, 97, (3, 6), generator=gen), torch.tensor([6, 2, 4])
+    bounded, full = model.new_cache(3, 64), model.new_cache(3, 64)
+    with torch.no_grad():
+        assert_close(model(prompt, bounded, q, max_seqlen=6), model(prompt, full, q), dtype=torch.float32)
+        expected = [6, 64]
+        for step in range(3):
+            ids = torch.randint(0, 97, (3, 1), generator=gen)
+            bound = int(bounded.lengths.max()) + 1 + step  # tight, then looser
+            assert_close(model(ids, bounded, max_seqlen=bound), model(ids, full), dtype=torch.float32)
+            expected += [bound, 64]
+        model(ids, bounded, max_seqlen=10**6)  # a bound above the capacity means the capacity
+    assert bounded.lengths.tolist() == [10, 6, 8]
+    assert positions_read == [n for n in expected + [64] for _ in model.layers]
+
+
+def test_max_seqlen_errors():
+    model = tiny_llama()
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    for bad in (2, 0, 3.0, True, "4"):
+        with pytest.raises(ValueError, match="max_seqlen must be an int >= T = 3"):
+            model(ids, model.new_cache(2, 8), max_seqlen=bad)
+    cache = model.new_cache(2, 8)
+    cache.advance(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="max_seqlen=3 is below a row's cache length after this pass"):
+        model(ids, cache, max_seqlen=3)
+    model(ids, cache, max_seqlen=4)  # row 0 reaches exactly 4
+
+
 def test_num_tokens_errors():
     model = tiny_llama()
     ids, q = torch.zeros(2, 3, dtype=torch.int64), torch.tensor([3, 1])
