@@ -6,8 +6,9 @@
   (``x @ weight^T``, what it does for 1 to 3 rows and for 64 or more: 102 and 816 rows are the
   generation benchmark's batch-1 and batch-8 prompts, padded).
 - ``test_decode_step``: one decode step (B = 1 or 8, T = 1, 80 tokens cached) of a random-weight
-  model with SmolLM2-135M's config; ``extra_info["aten_ops"]`` counts the ATen ops it dispatches
-  (``torch.profiler``).
+  model with SmolLM2-135M's config, in a cache of 160 or 2048 positions, the latter also with
+  ``max_seqlen`` (what the generation loops pass: attention then reads 81 positions, not 2048);
+  ``extra_info["aten_ops"]`` counts the ATen ops it dispatches (``torch.profiler``).
 
 Random weights: the shapes, not the values, set the cost, and nothing needs downloading.
 
@@ -64,18 +65,21 @@ def test_matmuls(benchmark, weights, impl, rows):
     bench(benchmark, one_pass, rounds=5)
 
 
+@pytest.mark.parametrize("capacity, bounded", [(160, False), (2048, False), (2048, True)],
+                         ids=["capacity160", "capacity2048", "capacity2048-max_seqlen"])
 @pytest.mark.parametrize("batch", [1, 8])
 @torch.inference_mode()
-def test_decode_step(benchmark, batch):
+def test_decode_step(benchmark, batch, capacity, bounded):
     torch.manual_seed(0)
     model = Llama(SMOLLM2).eval()
-    cache = model.new_cache(batch, 160)
+    cache = model.new_cache(batch, capacity)
     model(torch.randint(0, SMOLLM2.vocab_size, (batch, 80)), cache)
     token, base = torch.full((batch, 1), 7), cache.lengths.clone()
+    max_seqlen = 81 if bounded else None
 
     def step():
         cache.crop(base)
-        model(token, cache, last_only=True)
+        model(token, cache, last_only=True, max_seqlen=max_seqlen)
 
     step()
     with torch.profiler.profile() as prof:
