@@ -73,9 +73,9 @@ def test_decode_step(benchmark, batch, capacity, bounded):
     torch.manual_seed(0)
     model = Llama(SMOLLM2).eval()
     cache = model.new_cache(batch, capacity)
-    model(torch.randint(0, SMOLLM2.vocab_size, (batch, 80)), cache)
-    token, base = torch.full((batch, 1), 7), cache.lengths.clone()
     max_seqlen = 81 if bounded else None
+    model(torch.randint(0, SMOLLM2.vocab_size, (batch, 80)), cache, max_seqlen=max_seqlen and 80)
+    token, base = torch.full((batch, 1), 7), cache.lengths.clone()
 
     def step():
         cache.crop(base)

@@ -4,12 +4,13 @@ A model is any callable ``model(input_ids [B, T], cache, q_seqlens=None) -> logi
 that appends its keys and values at each row's own cache length and advances
 ``cache.lengths``, with ``model.vocab_size`` and ``model.new_cache(batch_size, max_len)``
 returning a cache that has ``lengths`` [B], ``crop(lengths)`` and ``select(rows)``
-(`specdec_kernels.KVCache`; `specdec_kernels.Llama` is the built-in model). Two optional
+(`specdec_kernels.KVCache`; `specdec_kernels.Llama` is the built-in model). Three optional
 keywords are used when the model's ``forward`` takes them: ``last_only=True`` (logits of each
 row's last real token only, [B, 1, V]), ``num_tokens=`` (``q_seqlens.sum()`` as a host int,
 known to the loops without an extra sync, so the model can skip padding positions) and
-``max_seqlen=`` (a host int >= every row's cache length after the call, read in the loop's one
-transfer per step, so attention can read that many positions instead of the cache's capacity).
+``max_seqlen=`` (a host int >= every row's cache length after the call: the prompt width for the
+prefill, then read in the loop's one transfer per step; attention can then read that many
+positions instead of the cache's capacity).
 
 Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
 reads a device value on the host except the one "which rows are done?" check, which

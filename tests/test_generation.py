@@ -221,18 +221,24 @@ def test_loops_bound_the_cache_lengths_for_the_model(target, draft):
     """Every forward is told max_seqlen, a bound on the rows' cache lengths after the call (read in
     the loop's one transfer per step, over the rows still running): never below them, at most
     one above the longest row before the call plus the new tokens (the draft's steps after a
-    ragged first one), and exact for plain decoding. A large cache capacity changes no token."""
+    ragged first one), and exact for plain decoding. Tokens are those of a model that reads the
+    whole (large) capacity."""
     calls = []
 
     class Recording(type(target)):
-        def forward(self, input_ids, cache, q_seqlens=None, *, max_seqlen=None, **kwargs):
+        def forward(self, input_ids, cache, q_seqlens=None, *, last_only=False, num_tokens=None, max_seqlen=None):
             before = int(cache.lengths.max())
-            logits = super().forward(input_ids, cache, q_seqlens, max_seqlen=max_seqlen, **kwargs)
+            logits = super().forward(input_ids, cache, q_seqlens, last_only=last_only, num_tokens=num_tokens,
+                                     max_seqlen=max_seqlen)
             calls.append((max_seqlen, before, int(cache.lengths.max()), input_ids.shape[1]))
             return logits
 
-    def recording(model):
-        wrapped = Recording.__new__(Recording)
+    class Unbounded(type(target)):  # the same model without the max_seqlen keyword
+        def forward(self, input_ids, cache, q_seqlens=None, *, last_only=False, num_tokens=None):
+            return super().forward(input_ids, cache, q_seqlens, last_only=last_only, num_tokens=num_tokens)
+
+    def as_(cls, model):
+        wrapped = cls.__new__(cls)
         wrapped.__dict__ = model.__dict__
         return wrapped
 
@@ -240,20 +246,21 @@ def test_loops_bound_the_cache_lengths_for_the_model(target, draft):
     ids = torch.cat([ids, ids[:, -4:], ids[:, -4:]], 1)  # repeats for prompt lookup to find
     mask = torch.cat([mask, torch.ones(5, 8, dtype=mask.dtype)], 1)
 
-    def run(model, **kw):
+    def run(cls):
+        model = as_(cls, target)
         if draft is None:
-            return generate(model, ids, mask, max_new_tokens=10, temperature=0, **kw)
-        drafter = recording(target.truncated(1)) if draft == "layers" else draft
+            return generate(model, ids, mask, max_new_tokens=10, temperature=0, max_cache_len=200)
+        drafter = as_(cls, target.truncated(1)) if draft == "layers" else draft
         return speculative_generate(model, drafter, ids, mask, num_draft_tokens=3, max_new_tokens=10,
-                                    temperature=0, **kw)
+                                    temperature=0, max_cache_len=200)
 
-    out = run(recording(target), max_cache_len=200)
+    out = run(Recording)
     assert len(calls) > 3
     for bound, before, after, T in calls:
         assert bound is not None and after <= bound <= before + T + 1, calls
     if draft is None:  # one token per row and step: the bound is exact
         assert all(bound == after for bound, _, after, _ in calls[1:]), calls
-    assert torch.equal(out.tokens, run(target).tokens)
+    assert torch.equal(out.tokens, run(Unbounded).tokens)
 
 
 def test_prompt_lookup_proposals():

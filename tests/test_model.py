@@ -271,3 +271,7 @@ def test_rms_norm_matches_hugging_face_arithmetic(dtype):
     out = norm(x)
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected)  # within the dtype's rounding
+    if dtype != torch.float32:
+        # Rounding once after the weight (a fused op) changes about a quarter of the half-precision
+        # entries; the cast before the weight changes almost none (summation order aside).
+        assert (out != expected).float().mean() < 0.02
