@@ -412,7 +412,11 @@ def _check_sampling_params(
         device_check((torch.isfinite(temperature) & (temperature >= 0)).all(),
                      "temperature must be finite and >= 0 in every row")
     elif isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-        if not math.isfinite(temperature) or temperature < 0:
+        try:
+            finite = math.isfinite(temperature)
+        except OverflowError:  # an int past the float range
+            finite = False
+        if not finite or temperature < 0:
             raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
     else:
         raise TypeError(f"temperature must be a float or a [B] tensor, got {type(temperature).__name__}")

@@ -367,6 +367,8 @@ def test_bad_input_is_a_clear_error(target):
         generate(target, ids, max_new_tokens=4, temperature=-1.0)
     with pytest.raises(ValueError, match="temperature"):
         generate(target, ids, max_new_tokens=4, temperature=float("nan"))
+    with pytest.raises(ValueError, match="temperature"):
+        generate(target, ids, max_new_tokens=4, temperature=10**400)
     with pytest.raises(TypeError, match="temperature"):
         generate(target, ids, max_new_tokens=4, temperature=True)
     with pytest.raises(TypeError, match="top_p"):

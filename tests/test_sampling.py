@@ -496,6 +496,7 @@ def test_tensors_on_different_devices_raise():
     "change,error,name",
     [
         pytest.param(dict(temperature=-1.0), ValueError, "temperature", id="T-negative"),
+        pytest.param(dict(temperature=10**400), ValueError, "temperature", id="T-int-past-float-range"),
         pytest.param(dict(temperature=torch.ones(3)), ValueError, "temperature", id="T-shape"),
         pytest.param(dict(temperature=torch.tensor([1.0, -1.0])), ValueError, "temperature", id="T-row-negative"),
         pytest.param(dict(temperature=torch.tensor([float("nan"), 1.0])), ValueError, "temperature", id="T-row-nan"),
