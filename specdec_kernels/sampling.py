@@ -656,12 +656,28 @@ def _rejection_sample_torch(
     token = (c * C + i).squeeze(1).clamp_max(V - 1)
     if any_greedy:
         token = torch.where(greedy, argmax.gather(1, j[:, None]).squeeze(1), token)
-    pos = torch.arange(K1, device=device)
+    return _output(ids, j, token)
+
+
+def _output(ids: torch.Tensor, j: torch.Tensor, token: torch.Tensor) -> RejectionOutput:
+    """`RejectionOutput` from drafts ``ids`` [B, K], accepted counts ``j`` [B] and the emitted
+    token [B]: ``token_ids`` holds the accepted drafts, the emitted token, then -1."""
+    B, K = ids.shape
+    pos = torch.arange(K + 1, device=ids.device)
     drafts = torch.cat([ids, ids.new_zeros(B, 1)], dim=1)
     token_ids = torch.where(
         pos < j[:, None], drafts, torch.where(pos == j[:, None], token[:, None], torch.full_like(drafts, -1))
     )
     return RejectionOutput(token_ids, j)
+
+
+def _greedy_verify(target: torch.Tensor, ids: torch.Tensor, n: torch.Tensor) -> RejectionOutput:
+    """Every row greedy: drafts are kept while they equal the argmax (the first maximum) of the
+    target's probabilities or logits (the same: process_logits' greedy one-hot is at the logits'
+    argmax), then the argmax is emitted; no noise, no residuals."""
+    argmax = target.argmax(-1)  # [B, K+1]
+    j = _first_rejection_torch(ids == argmax[:, : ids.shape[1]], n)
+    return _output(ids, j, argmax.gather(1, j[:, None]).squeeze(1))
 
 
 # --------------------------------------------------------------------------- public ops
@@ -743,6 +759,8 @@ def rejection_sample(
             noise=noise,
         )
     ids, n, g = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
+    if greedy is True:  # every row verifies by argmax: no noise, no residuals
+        return _greedy_verify(target_probs, ids, n)
     if noise is None:
         noise = make_rejection_noise(B, K, generator=generator, seed=seed, device=target_probs.device)
     elif noise.uniform is None:
@@ -834,6 +852,9 @@ def rejection_sample_logits(
         greedy = row_greedy | greedy
     elif temperature == 0:
         greedy = True
+    if greedy is True:  # known on the host: skip the distributions (argmax of raw logits decides)
+        ids, n, _ = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
+        return _greedy_verify(target_logits, ids, n)
     target_probs = process_logits(target_logits, temperature, top_k, top_p)
     draft_probs = (
         process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None

@@ -148,6 +148,32 @@ def test_logits_matches_reference_token_for_token(fast_backend, params, dtype, d
     assert torch.equal(actual.token_ids, expected.token_ids)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("flag", ["temperature=0", "greedy=True"])
+@pytest.mark.parametrize("draft", [True, False], ids=["draft", "nodraft"])
+def test_all_greedy_logits_skip_the_distributions(monkeypatch, dtype, flag, draft):
+    """With every row greedy (known on the host) the torch path decides by the argmax of the raw
+    logits alone: no probabilities, no noise. Same tokens as the reference, with drafts that are
+    sometimes the argmax and sometimes not, ties at the top (first maximum) and ragged counts."""
+    import specdec_kernels.sampling as sampling
+
+    B, K, V = 7, 3, 50
+    gen = torch.Generator().manual_seed(11)
+    target = (torch.randn(B, K + 1, V, generator=gen) * 2).round().to(dtype)  # rounded: many ties
+    draft_logits = torch.randn(B, K, V, generator=gen).to(dtype) if draft else None
+    top = target[:, :K].float().argmax(-1)
+    ids = torch.where(torch.rand(B, K, generator=gen) < 0.7, top, torch.randint(0, V, (B, K), generator=gen))
+    n = torch.tensor([3, 0, 1, 2, 3, 3, 2])
+    params = dict(temperature=0.0) if flag == "temperature=0" else dict(temperature=0.8, greedy=True, top_k=5)
+    expected = rejection_sample_logits(target, draft_logits, ids, n, seed=0, backend="reference", **params)
+    monkeypatch.setattr(sampling, "process_logits", None)  # the fast path must not need it
+    monkeypatch.setattr(sampling, "make_rejection_noise", None)
+    actual = rejection_sample_logits(target, draft_logits, ids, n, seed=0, backend="torch", **params)
+    assert torch.equal(actual.num_accepted, expected.num_accepted)
+    assert torch.equal(actual.token_ids, expected.token_ids)
+    assert (expected.num_accepted < n).any() and (expected.num_accepted == n).any()
+
+
 # --------------------------------------------------------------------------- top-k / top-p thresholds (triton)
 
 
