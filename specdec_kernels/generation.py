@@ -296,7 +296,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
         raise TypeError("temperature must be a float (per-row temperatures: rejection_sample_logits / "
                         "sample_logits)")
     # NumPy scalars become Python numbers (the samplers take Python ints and floats).
-    temperature, top_p = (x.item() if is_real(x) and hasattr(x, "item") else x for x in (temperature, top_p))
+    temperature, top_p = (float(x) if is_real(x) and not isinstance(x, int) else x for x in (temperature, top_p))
     top_k = int(top_k) if is_int(top_k) else top_k
     _check_sampling_params(temperature, top_k, top_p, B, input_ids.device)
     if seed is not None and not is_int(seed):

@@ -672,9 +672,9 @@ def _output(ids: torch.Tensor, j: torch.Tensor, token: torch.Tensor) -> Rejectio
 
 
 def _greedy_verify(target: torch.Tensor, ids: torch.Tensor, n: torch.Tensor) -> RejectionOutput:
-    """Every row greedy: drafts are kept while they equal the argmax (the first maximum) of the
-    target's probabilities or logits (the same: process_logits' greedy one-hot is at the logits'
-    argmax), then the argmax is emitted; no noise, no residuals."""
+    """Every row greedy: drafts are kept while they equal the argmax (the first maximum) of
+    ``target`` [B, K+1, V], the target's probabilities (or its raw logits at temperature 0, where
+    process_logits' one-hot sits at their argmax), then the argmax is emitted; no noise."""
     argmax = target.argmax(-1)  # [B, K+1]
     j = _first_rejection_torch(ids == argmax[:, : ids.shape[1]], n)
     return _output(ids, j, argmax.gather(1, j[:, None]).squeeze(1))
@@ -705,7 +705,8 @@ def rejection_sample(
         draft_token_ids: ``[B, K]`` int64 (int32 accepted), in ``[0, V)``.
         num_draft_tokens: ``[B]`` integer, ``0 <= n_b <= K``: ragged proposals (positions
             ``>= n_b`` are ignored); None means K for every row.
-        greedy: bool or ``[B]`` bool: those rows verify by argmax instead of sampling.
+        greedy: bool or ``[B]`` bool: those rows verify by argmax instead of sampling
+            (``greedy=True``: the torch backend then draws no random numbers).
         generator: torch.Generator for the random draws; or ``seed``: an int (row b uses
             ``seed + b``) or ``[B]`` int64 per-row seeds (counter-based: reproducible, rows
             independent). None of both: torch's global generator.
@@ -788,7 +789,8 @@ def rejection_sample_logits(
 
     Target and draft distributions are ``process_logits(logits, temperature, top_k, top_p)``
     (the same processing for both). Rows with temperature 0, or flagged in ``greedy``, verify
-    greedily by argmax. On the Triton backend no ``[B, K+1, V]`` tensor is materialized: top-k /
+    greedily by argmax; when every row does (known on the host), the torch backend draws no
+    random numbers. On the Triton backend no ``[B, K+1, V]`` tensor is materialized: top-k /
     top-p thresholds (one float per row and position) come from one kernel launched before the
     sampler, two launches in all (see the README; its top-p mass is summed in another order than
     `logit_thresholds`' cumsum, so a row within rounding of ``top_p`` may keep one value more or less).
@@ -816,7 +818,7 @@ def rejection_sample_logits(
         # Every row needs a finite largest logit, also divided by its temperature: NaN, +inf, an
         # all -inf row or an overflowing logits / temperature would leave no distribution.
         divisor = (torch.where(temperature > 0, temperature, 1.0)[:, None] if isinstance(temperature, torch.Tensor)
-                   else temperature or 1.0)
+                   else float(temperature) or 1.0)
         target_read, draft_read = _rows_read(num_draft_tokens, B, K, target_logits.device)
         for name, t, used in (("target_logits", target_logits, target_read),
                               ("draft_logits", draft_logits, draft_read)):
@@ -852,9 +854,12 @@ def rejection_sample_logits(
         greedy = row_greedy | greedy
     elif temperature == 0:
         greedy = True
-    if greedy is True:  # known on the host: skip the distributions (argmax of raw logits decides)
+    if greedy is True:  # known on the host: no draft distribution, residuals or noise
         ids, n, _ = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
-        return _greedy_verify(target_logits, ids, n)
+        # At temperature 0 process_logits' one-hot sits at the raw logits' argmax; otherwise the
+        # processed probabilities decide (softmax rounding can tie logits that differ).
+        target = target_logits if temperature == 0 else process_logits(target_logits, temperature, top_k, top_p)
+        return _greedy_verify(target, ids, n)
     target_probs = process_logits(target_logits, temperature, top_k, top_p)
     draft_probs = (
         process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None

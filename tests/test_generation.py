@@ -340,6 +340,11 @@ def test_numpy_numbers_are_taken_for_sampling_arguments(target):
     numpy = generate(target, ids, max_new_tokens=4, temperature=np.float32(0.5), top_k=np.int64(5),
                      top_p=np.float32(0.75), seed=np.uint64(2**63 + 5))
     assert torch.equal(numpy.tokens, python.tokens)
+    from fractions import Fraction  # any real number
+
+    fraction = generate(target, ids, max_new_tokens=4, temperature=Fraction(1, 2), top_k=5, top_p=Fraction(3, 4),
+                        seed=2**63 + 5)
+    assert torch.equal(fraction.tokens, python.tokens)
 
 
 def test_bad_input_is_a_clear_error(target):

@@ -152,9 +152,10 @@ def test_logits_matches_reference_token_for_token(fast_backend, params, dtype, d
 @pytest.mark.parametrize("flag", ["temperature=0", "greedy=True"])
 @pytest.mark.parametrize("draft", [True, False], ids=["draft", "nodraft"])
 def test_all_greedy_logits_skip_the_distributions(monkeypatch, dtype, flag, draft):
-    """With every row greedy (known on the host) the torch path decides by the argmax of the raw
-    logits alone: no probabilities, no noise. Same tokens as the reference, with drafts that are
-    sometimes the argmax and sometimes not, ties at the top (first maximum) and ragged counts."""
+    """With every row greedy (known on the host) the torch path decides by an argmax alone: of the
+    raw logits at temperature 0, of the target's probabilities above it; no draft distribution,
+    no noise. Same tokens as the reference, with drafts that are sometimes the argmax and
+    sometimes not, ties at the top (first maximum) and ragged counts."""
     import specdec_kernels.sampling as sampling
 
     B, K, V = 7, 3, 50
@@ -166,12 +167,30 @@ def test_all_greedy_logits_skip_the_distributions(monkeypatch, dtype, flag, draf
     n = torch.tensor([3, 0, 1, 2, 3, 3, 2])
     params = dict(temperature=0.0) if flag == "temperature=0" else dict(temperature=0.8, greedy=True, top_k=5)
     expected = rejection_sample_logits(target, draft_logits, ids, n, seed=0, backend="reference", **params)
-    monkeypatch.setattr(sampling, "process_logits", None)  # the fast path must not need it
-    monkeypatch.setattr(sampling, "make_rejection_noise", None)
+    processed = []  # the fast path processes the target's logits above temperature 0 only
+    process = sampling.process_logits
+    monkeypatch.setattr(sampling, "process_logits", lambda *a, **kw: processed.append(a[0]) or process(*a, **kw))
+    monkeypatch.setattr(sampling, "make_rejection_noise", None)  # and draws no noise
     actual = rejection_sample_logits(target, draft_logits, ids, n, seed=0, backend="torch", **params)
+    assert [t is target for t in processed] == ([] if flag == "temperature=0" else [True])
     assert torch.equal(actual.num_accepted, expected.num_accepted)
     assert torch.equal(actual.token_ids, expected.token_ids)
     assert (expected.num_accepted < n).any() and (expected.num_accepted == n).any()
+    if flag == "greedy=True":  # above temperature 0 the probabilities decide: softmax ties 0 and 1e-8
+        monkeypatch.undo()
+        near_tie = torch.tensor([[[0.0, 1e-8], [0.0, 0.0]]])
+        for backend in ("reference", "torch"):
+            out = rejection_sample_logits(near_tie, None, torch.tensor([[0]]), temperature=1.0, greedy=True,
+                                          backend=backend)
+            assert out.token_ids.tolist() == [[0, 0]] and out.num_accepted.tolist() == [1]
+
+
+def test_int_temperature_past_int64_is_taken():
+    """A Python int temperature beyond int64 (finite as a float) validates and samples like the float."""
+    logits, ids = torch.randn(2, 3, 10, generator=torch.Generator().manual_seed(5)), torch.tensor([[1, 2], [3, 4]])
+    as_int = rejection_sample_logits(logits, None, ids, temperature=2**70, seed=0)
+    as_float = rejection_sample_logits(logits, None, ids, temperature=float(2**70), seed=0)
+    assert torch.equal(as_int.token_ids, as_float.token_ids)
 
 
 # --------------------------------------------------------------------------- top-k / top-p thresholds (triton)
