@@ -255,6 +255,7 @@ class _Request:
     prompt_tokens: int  # prompt_lengths.sum(), read on the host before the loop
     max_new_tokens: int
     max_len: int
+    drafts: int  # drafts per step the cache has room for: lookahead capped at max_new_tokens - 1
     eos: torch.Tensor  # [E] int64 (may be empty)
     sample: Callable[[torch.Tensor], torch.Tensor]
     sampling: dict = field(default_factory=dict)
@@ -358,7 +359,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     if seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(int(seed))
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
-    return _Request(prompt, lengths, int(lengths.sum()), max_new_tokens, max_cache_len, eos,
+    return _Request(prompt, lengths, int(lengths.sum()), max_new_tokens, max_cache_len, drafts, eos,
                     lambda logits: sample_logits(logits, **sampling, generator=generator), sampling, generator)
 
 
@@ -516,8 +517,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     t_start = time.perf_counter()
     request = _prepare(target, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
                        eos_token_id, pad_token_id, seed, max_cache_len, lookahead=int(num_draft_tokens))
-    # Drafts past the token budget could never be kept: at most max_new_tokens - 1 per step.
-    K = max(1, min(int(num_draft_tokens), request.max_new_tokens - 1))
+    # Drafts past the token budget could never be kept: at most max_new_tokens - 1 per step (K = 1
+    # when that is 0: the prefill's token is then the only one, and no step runs).
+    K = max(1, request.drafts)
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
     rows = torch.arange(B, device=device)
@@ -603,12 +605,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             # Every row verifies 1 + K tokens unless prompt lookup left some rows with fewer.
             ragged = lookup and widest > 0
             verify_ids = torch.cat([last[:, None], draft_ids], 1)
-            longest = target_longest + verify_ids.shape[1]
-            if ragged:  # b + total_drafts real tokens, known on the host: the model may skip padding
-                target_logits = _forward(target, verify_ids, target_cache, num_drafts + 1, b + total_drafts,
-                                         max_seqlen=longest)
-            else:
-                target_logits = _forward(target, verify_ids, target_cache, max_seqlen=longest)
+            # Ragged: b + total_drafts real tokens, known on the host (the model may skip padding).
+            q_seqlens, num_tokens = (num_drafts + 1, b + total_drafts) if ragged else (None, None)
+            target_logits = _forward(target, verify_ids, target_cache, q_seqlens, num_tokens,
+                                     max_seqlen=target_longest + verify_ids.shape[1])
         stats.target_forwards += 1
 
         # 3. Accept a prefix, emit one corrected or bonus token.

@@ -854,16 +854,14 @@ def rejection_sample_logits(
         greedy = row_greedy | greedy
     elif temperature == 0:
         greedy = True
-    if greedy is True:  # known on the host: no draft distribution, residuals or noise
-        ids, n, _ = _sanitize(draft_token_ids, num_draft_tokens, B, K, greedy)
+    if greedy is True:  # known on the host: rejection_sample only takes argmaxes, of the target
         # At temperature 0 process_logits' one-hot sits at the raw logits' argmax; otherwise the
         # processed probabilities decide (softmax rounding can tie logits that differ).
-        target = target_logits if temperature == 0 else process_logits(target_logits, temperature, top_k, top_p)
-        return _greedy_verify(target, ids, n)
-    target_probs = process_logits(target_logits, temperature, top_k, top_p)
-    draft_probs = (
-        process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
-    )
+        target_probs = target_logits if temperature == 0 else process_logits(target_logits, temperature, top_k, top_p)
+        draft_probs = None
+    else:
+        target_probs = process_logits(target_logits, temperature, top_k, top_p)
+        draft_probs = process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
     return rejection_sample(
         target_probs,
         draft_probs,
