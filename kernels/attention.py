@@ -170,31 +170,44 @@ def _ragged_attn_merge_kernel(
 
 def max_tile_rows(dtype: torch.dtype, head_dim: int) -> int:
     """Most packed rows (G * T) one tile holds, so that K/V are read once per KV head: the largest
-    tiles that compile without spills for sm_80 and sm_90 (`attention_config`). Head dim 64 fits
-    twice the rows of the wider heads (with 16 warps: 256 rows in fp16 / bf16, 128 in fp32)."""
-    rows = 64 if dtype == torch.float32 else 128
-    return 2 * rows if head_dim == 64 else rows
+    tiles that compile without spills for sm_80 and sm_90 (`attention_config`): 256 rows in
+    fp16 / bf16 at every head dim; in fp32, 128 at head dim 64 and 64 for the wider heads."""
+    if dtype != torch.float32:
+        return 256
+    return 128 if head_dim == 64 else 64
 
 
 def attention_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict[str, int | bool]:
-    """Block sizes and warps for ``rows = G * T`` packed query rows (shared by launcher and registry)."""
+    """Block sizes, warps and compile options for ``rows = G * T`` packed query rows (shared by
+    launcher and registry)."""
     # One tile of next_pow2(rows) rows (at least 16, the smallest tl.dot), so each K/V tile is
     # loaded once per KV head, up to `max_tile_rows`; more rows take more row blocks, each
     # re-reading K/V. Every size here compiles without spills for sm_80 and sm_90 (the compile
-    # check): 32 keys per step and 8 warps, except fp32 tiles of 32 rows or more, whose fp32
-    # products need 16 keys per step to stay in registers, and the widest tiles (fp32 from 64
-    # rows, fp16 / bf16 at 256), which need 16 warps. fp32 tiles are not software-pipelined
-    # (2 stages spilled for D = 80 and 96 on sm_80).
+    # check): 32 keys per step and 8 warps, except
+    # - fp32 tiles of 32 rows or more, whose fp32 products need 16 keys per step to stay in
+    #   registers, and the widest tiles (fp32 from 64 rows, fp16 / bf16 at 256), which need 16
+    #   warps;
+    # - fp16 / bf16 tiles of 256 rows with heads wider than 64, which also need 16 keys per step,
+    #   one stage, and LLVM's register-pressure scheduling (``sched4reg``): without it they
+    #   spill 8 bytes on sm_80.
+    # fp32 tiles are not software-pipelined (2 stages spilled for D = 80 and 96 on sm_80).
     BM = min(max_tile_rows(dtype, head_dim), max(16, triton.next_power_of_2(rows)))
     fp32_wide = dtype == torch.float32 and BM >= 32
+    half_wide_heads = dtype != torch.float32 and BM >= 256 and head_dim > 64
     BD = max(16, triton.next_power_of_2(head_dim))
-    BN = 16 if fp32_wide else 32
+    BN = 16 if fp32_wide or half_wide_heads else 32
     num_warps = 16 if (fp32_wide and BM >= 64) or BM >= 256 else 8
     # The Triton interpreter (3.x) computes bf16 tl.dot wrongly; there, and only there, bf16 tiles
     # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
     dot_f32 = dtype == torch.bfloat16 and interpreter_enabled()
     return dict(BM=BM, BN=BN, BD=BD, IEEE=dtype == torch.float32, DOT_F32=dot_f32, num_warps=num_warps,
-                num_stages=1 if dtype == torch.float32 else 2)
+                num_stages=1 if dtype == torch.float32 or half_wide_heads else 2, sched4reg=half_wide_heads)
+
+
+def _compile_options(cfg: dict[str, int | bool]) -> dict[str, bool]:
+    """Compiler options beyond warps and stages (launch keywords; the registry compiles with the
+    same): only those that differ from Triton's defaults, so other launches stay as they were."""
+    return {"sched4reg": True} if cfg["sched4reg"] else {}
 
 
 def min_split_keys(dtype: torch.dtype, rows: int, BN: int) -> int:
@@ -260,7 +273,7 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         D=D, BM=BM, BN=BN, BD=BD, IEEE=cfg["IEEE"], DOT_F32=cfg["DOT_F32"], num_warps=num_warps,
-        num_stages=cfg["num_stages"],
+        num_stages=cfg["num_stages"], **_compile_options(cfg),
     )
     if max_splits > 1:
         _ragged_attn_merge_kernel[(rows, Hkv, B)](
@@ -298,7 +311,7 @@ def _register() -> None:
                 register(KernelSpec(
                     f"attention[fwd,{short[dtype]},D={D},BM={cfg['BM']},BN={cfg['BN']}]",
                     _ragged_attn_fwd_kernel, signature, constexprs, num_warps=cfg["num_warps"],
-                    num_stages=cfg["num_stages"],
+                    num_stages=cfg["num_stages"], options=_compile_options(cfg),
                     aligned=pointers + strides))
                 merge_sig = {"out_ptr": ptr, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
                              "cache_seqlens_ptr": "*i64", "q_seqlens_ptr": "*i64",

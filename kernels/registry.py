@@ -23,6 +23,7 @@ class KernelSpec:
             in the kernel's argument order.
         constexprs: values of the ``constexpr`` arguments.
         num_warps, num_stages: launch options the launcher uses for this specialization.
+        options: any other compiler options it launches with (e.g. ``{"sched4reg": True}``).
         aligned: names of pointer / integer arguments that are multiples of 16 (bytes for
             pointers) in the launches this spec stands for, as Triton's JIT would specialize
             them (torch allocations are 16-byte aligned). Without them the compiler must assume
@@ -35,6 +36,7 @@ class KernelSpec:
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 3
+    options: dict[str, Any] = field(default_factory=dict)
     aligned: tuple[str, ...] = ()
 
     def compile_attrs(self) -> dict[tuple[int], list[list]]:

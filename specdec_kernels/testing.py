@@ -348,7 +348,8 @@ def compile_check(specs: Sequence | None = None, targets: Sequence = COMPILE_TAR
                 source = ASTSource(spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
                                    attrs=spec.compile_attrs())
                 compiled = triton.compile(source, target=GPUTarget(backend, capability, warp_size),
-                                          options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+                                          options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages,
+                                                        **spec.options))
                 for key, value in _cubin_resources(compiled.asm["cubin"]).items():
                     setattr(report, key, value)
             except Exception as e:  # report every failure, keep checking the others

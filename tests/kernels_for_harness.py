@@ -37,6 +37,10 @@ if __name__ != "__main__":
     register(KernelSpec("harness_copy", copy_kernel, SIGNATURE, {"BLOCK": 256}))
     register(KernelSpec("harness_copy_aligned", copy_kernel, SIGNATURE, {"BLOCK": 256},
                         aligned=("x_ptr", "y_ptr", "n")))
+    # 64 elements per thread (one warp): dozens of registers, unless an option caps them.
+    register(KernelSpec("harness_wide_copy", copy_kernel, SIGNATURE, {"BLOCK": 2048}, num_warps=1))
+    register(KernelSpec("harness_wide_copy_maxnreg", copy_kernel, SIGNATURE, {"BLOCK": 2048}, num_warps=1,
+                        options={"maxnreg": 32}))
     register(KernelSpec("harness_loop_type_change", loop_type_change_kernel, SIGNATURE, {"BLOCK": 256}))
     register(KernelSpec("harness_spilling", spilling_kernel,
                         {"x_ptr": "*fp32", "y_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16384},

@@ -69,6 +69,7 @@ CASES = [
     pytest.param(2, 5, 3, 3, 128, 140, [140, 7], [5, 2], torch.float16, id="B2-T5-G3-D128-fp16"),
     pytest.param(2, 5, 4, 2, 80, 140, [33, 140], [3, 5], torch.bfloat16, id="B2-T5-G4-D80-bf16"),
     pytest.param(2, 2, 3, 2, 96, 70, [70, 2], None, torch.float16, id="B2-T2-G3-D96-fp16"),
+    pytest.param(2, 17, 8, 1, 128, 60, [60, 17], [17, 9], torch.float16, id="B2-T17-G8-D128-fp16-256rows"),
 ]
 
 
@@ -237,30 +238,32 @@ def test_triton_bytes_moved(split, dtype):
 
 
 @pytest.mark.parametrize("split", ["nosplit", "split"])
-@pytest.mark.parametrize("dtype,T", [(torch.float16, 16), (torch.bfloat16, 11), (torch.float32, 8),
-                                     (torch.float16, 17), (torch.bfloat16, 30), (torch.float32, 16)],
+@pytest.mark.parametrize("dtype,T,D", [(torch.float16, 16, 64), (torch.bfloat16, 11, 64), (torch.float32, 8, 64),
+                                       (torch.float16, 17, 64), (torch.bfloat16, 30, 64), (torch.float32, 16, 64),
+                                       (torch.float16, 17, 128), (torch.bfloat16, 17, 80), (torch.float32, 8, 128)],
                          ids=["fp16-128rows", "bf16-88rows", "fp32-64rows", "fp16-136rows", "bf16-240rows",
-                              "fp32-128rows"])
-def test_triton_bytes_moved_wide_tiles(split, dtype, T):
-    """G = 8 query heads per KV head with up to 30 verify queries at head dim 64: G * T up to 256
-    packed rows (128 in fp32) still share one tile, so K/V are read once per KV head in both paths."""
+                              "fp32-128rows", "fp16-136rows-D128", "bf16-136rows-D80", "fp32-64rows-D128"])
+def test_triton_bytes_moved_wide_tiles(split, dtype, T, D):
+    """G = 8 query heads per KV head with up to 30 verify queries: G * T up to 256 packed rows in
+    fp16 / bf16 at every head dim (128 in fp32 at head dim 64, 64 at the wider heads) still share
+    one tile, so K/V are read once per KV head in both paths."""
     pytest.importorskip("triton")
     from specdec_kernels.kernels.attention import attention_config, min_split_keys
 
-    long = 2 * min_split_keys(dtype, 8 * T, attention_config(dtype, 64, 8 * T)["BN"]) + 64  # splits in 3
-    _check_bytes_moved(2, T, 8, 1, [long, 40], [T, T - 3], dtype, max_splits=1 if split == "nosplit" else 4)
+    long = 2 * min_split_keys(dtype, 8 * T, attention_config(dtype, D, 8 * T)["BN"]) + 64  # splits in 3
+    _check_bytes_moved(2, T, 8, 1, [long, 40], [T, T - 3], dtype, max_splits=1 if split == "nosplit" else 4, D=D)
 
 
-def _check_bytes_moved(B, T, G, Hkv, lengths, q_lens, dtype, max_splits):
+def _check_bytes_moved(B, T, G, Hkv, lengths, q_lens, dtype, max_splits, D=64):
     pytest.importorskip("triton")
     from specdec_kernels.kernels.attention import attention_config, min_split_keys, ragged_attention_triton
 
-    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, 64, max(lengths), lengths, q_lens, dtype)
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, max(lengths), lengths, q_lens, dtype)
     with TrafficMeter() as meter:
-        out = ragged_attention_triton(q, k, v, cache_seqlens, q_seqlens, 0.125, max_splits=max_splits)
+        out = ragged_attention_triton(q, k, v, cache_seqlens, q_seqlens, D ** -0.5, max_splits=max_splits)
     split = max_splits > 1
     if split:  # the longest rows really split: more than one chunk of the default size
-        assert max(lengths) > 2 * min_split_keys(dtype, G * T, attention_config(dtype, 64, G * T)["BN"])
+        assert max(lengths) > 2 * min_split_keys(dtype, G * T, attention_config(dtype, D, G * T)["BN"])
     assert meter.num_launches == (2 if split else 1)
     minimum = _minimum_bytes(q, k, cache_seqlens, q_seqlens)
     assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)

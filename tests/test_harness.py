@@ -71,6 +71,15 @@ def test_compile_check_uses_alignment_hints(harness_compile_reports):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_compile_check_passes_compiler_options(harness_compile_reports, arch):
+    # A spec's options (here a register cap) reach the compiler, as they reach real launches.
+    capped = harness_compile_reports["harness_wide_copy_maxnreg", arch]
+    plain = harness_compile_reports["harness_wide_copy", arch]
+    assert capped.error is None and plain.error is None
+    assert capped.registers <= 32 < plain.registers
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_compile_check_catches_what_only_the_interpreter_accepts(harness_compile_reports, arch):
     from kernels_for_harness import loop_type_change_kernel
 
