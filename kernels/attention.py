@@ -20,6 +20,8 @@ Layout of the work (flash-decoding, also for T > 1):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -168,18 +170,41 @@ def _ragged_attn_merge_kernel(
     tl.store(p_o, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
 
 
-def max_tile_rows(dtype: torch.dtype, head_dim: int) -> int:
+def _compiler_has_sched4reg() -> bool:
+    """Whether this Triton's CUDA compiler takes the ``sched4reg`` option (added in 3.9)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "sched4reg" in CUDAOptions.__dataclass_fields__
+
+
+#: Shared memory a 256-row tile at head dims 80-128 takes (compile metadata for sm_80 and sm_90;
+#: `tests/test_compile.py` checks it): more than GPUs of compute capability 8.6 and 8.9 give one
+#: program (99 KB), so there such heads keep 128-row tiles.
+WIDE_HEAD_TILE_SHARED_BYTES = 128 * 1024
+_SCHED4REG = _compiler_has_sched4reg()
+
+
+def max_tile_rows(dtype: torch.dtype, head_dim: int, max_shared: int | None = None) -> int:
     """Most packed rows (G * T) one tile holds, so that K/V are read once per KV head: the largest
-    tiles that compile without spills for sm_80 and sm_90 (`attention_config`): 256 rows in
-    fp16 / bf16 at every head dim; in fp32, 128 at head dim 64 and 64 for the wider heads."""
-    if dtype != torch.float32:
+    tiles that compile without spills for sm_80 and sm_90 (`attention_config`). fp16 / bf16: 256
+    rows at head dim 64; at head dims 80-128 also 256 where the compiler has ``sched4reg`` and
+    the GPU gives a program ``max_shared`` >= `WIDE_HEAD_TILE_SHARED_BYTES` bytes (None: no
+    limit), else 128. fp32: 128 rows at head dim 64, 64 at the wider heads."""
+    if dtype == torch.float32:
+        return 128 if head_dim == 64 else 64
+    if head_dim == 64:
         return 256
-    return 128 if head_dim == 64 else 64
+    fits = max_shared is None or max_shared >= WIDE_HEAD_TILE_SHARED_BYTES
+    return 256 if _SCHED4REG and fits else 128
 
 
-def attention_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict[str, int | bool]:
+def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: int | None = None
+                     ) -> dict[str, int | bool]:
     """Block sizes, warps and compile options for ``rows = G * T`` packed query rows (shared by
-    launcher and registry)."""
+    launcher and registry), on a GPU that gives a program ``max_shared`` bytes of shared memory
+    (None: no limit, as on the compile check's sm_80 and sm_90 targets)."""
     # One tile of next_pow2(rows) rows (at least 16, the smallest tl.dot), so each K/V tile is
     # loaded once per KV head, up to `max_tile_rows`; more rows take more row blocks, each
     # re-reading K/V. Every size here compiles without spills for sm_80 and sm_90 (the compile
@@ -191,7 +216,7 @@ def attention_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict[str, 
     #   one stage, and LLVM's register-pressure scheduling (``sched4reg``): without it they
     #   spill 8 bytes on sm_80.
     # fp32 tiles are not software-pipelined (2 stages spilled for D = 80 and 96 on sm_80).
-    BM = min(max_tile_rows(dtype, head_dim), max(16, triton.next_power_of_2(rows)))
+    BM = min(max_tile_rows(dtype, head_dim, max_shared), max(16, triton.next_power_of_2(rows)))
     fp32_wide = dtype == torch.float32 and BM >= 32
     half_wide_heads = dtype != torch.float32 and BM >= 256 and head_dim > 64
     BD = max(16, triton.next_power_of_2(head_dim))
@@ -216,6 +241,18 @@ def min_split_keys(dtype: torch.dtype, rows: int, BN: int) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     keys = max(256, 80 * rows // element)
     return triton.cdiv(keys, BN) * BN
+
+
+def _max_shared_memory(device: torch.device) -> int | None:
+    """Shared memory one program may use on ``device`` (None off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return _device_max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _device_max_shared_memory(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def _max_splits(batch: int, programs_per_row: int, max_len: int, min_chunk: int, device: torch.device) -> int:
@@ -249,7 +286,7 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"backend='triton' supports head_dim in {HEAD_DIMS}, got D={D}; use backend='torch'")
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
     rows = G * T
-    cfg = attention_config(q.dtype, D, rows)
+    cfg = attention_config(q.dtype, D, rows, _max_shared_memory(q.device))
     BM, BN, BD, num_warps = cfg["BM"], cfg["BN"], cfg["BD"], cfg["num_warps"]
     num_row_blocks = triton.cdiv(rows, BM)
     if min_chunk is None:

@@ -103,19 +103,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        # eps as a 0-d float64 CPU tensor (not a buffer, so casting the model never rounds it):
-        # ``torch.add(eps, sum, alpha=1 / dim)`` is the mean plus eps in one op.
-        self._eps = torch.tensor(eps, dtype=torch.float64, device="cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Hugging Face's LlamaRMSNorm: normalized in fp32, cast back before the weight. Five ops
-        # (one dot product, in-place scalar ops): F.rms_norm is a composite of about ten on the
-        # CPU, 1.4 x slower at one token and 5 x at 816 (a batch-8 prefill) on this project's
-        # machines.
+        # Hugging Face's LlamaRMSNorm, op for op (the same values, also under autocast):
+        # normalized in fp32, cast back before the weight. F.rms_norm is a composite of about ten
+        # ops on the CPU, as fast at one token and 3 x slower at 816 (a batch-8 prefill;
+        # `benchmarks/test_bench_model.py::test_rms_norm`).
         x32 = as_float32(x)
-        mean_square = torch.linalg.vecdot(x32, x32).unsqueeze(-1)
-        inv_rms = torch.add(self._eps, mean_square, alpha=1 / x.shape[-1]).rsqrt_()
-        return (x32 * inv_rms).to(x.dtype).mul_(self.weight)
+        inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return self.weight * (x32 * inv_rms).to(x.dtype)
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:

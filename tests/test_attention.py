@@ -248,10 +248,29 @@ def test_triton_bytes_moved_wide_tiles(split, dtype, T, D):
     fp16 / bf16 at every head dim (128 in fp32 at head dim 64, 64 at the wider heads) still share
     one tile, so K/V are read once per KV head in both paths."""
     pytest.importorskip("triton")
-    from specdec_kernels.kernels.attention import attention_config, min_split_keys
+    from specdec_kernels.kernels.attention import attention_config, max_tile_rows, min_split_keys
 
+    if max_tile_rows(dtype, D) < 8 * T:
+        pytest.skip("256-row tiles at head dims 80-128 need Triton's sched4reg option (Triton >= 3.9)")
     long = 2 * min_split_keys(dtype, 8 * T, attention_config(dtype, D, 8 * T)["BN"]) + 64  # splits in 3
     _check_bytes_moved(2, T, 8, 1, [long, 40], [T, T - 3], dtype, max_splits=1 if split == "nosplit" else 4, D=D)
+
+
+def test_wide_head_tiles_only_where_the_gpu_has_the_shared_memory():
+    """256-row tiles at head dims 80-128 take 128 KB of shared memory: GPUs of compute capability
+    8.6 / 8.9 (99 KB per program) get 128-row tiles; head dim 64 needs less and keeps 256."""
+    pytest.importorskip("triton")
+    from specdec_kernels.kernels import attention as kernels
+    from specdec_kernels.testing import SHARED_MEMORY_LIMITS
+
+    for dtype in (torch.float16, torch.bfloat16):
+        assert kernels.attention_config(dtype, 64, 136, SHARED_MEMORY_LIMITS[86])["BM"] == 256
+        for D in (80, 96, 128):
+            assert kernels.attention_config(dtype, D, 136, SHARED_MEMORY_LIMITS[86])["BM"] == 128
+            wide = 256 if kernels._SCHED4REG else 128
+            for cc in (80, 90):
+                assert kernels.attention_config(dtype, D, 136, SHARED_MEMORY_LIMITS[cc])["BM"] == wide
+            assert kernels.attention_config(dtype, D, 136)["BM"] == wide  # the registry's (no limit)
 
 
 def _check_bytes_moved(B, T, G, Hkv, lengths, q_lens, dtype, max_splits, D=64):
