@@ -22,7 +22,7 @@ setup(
     packages=["specdec_kernels", "specdec_kernels.reference", "specdec_kernels.kernels"],
     package_dir={"specdec_kernels.kernels": "kernels"},
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.4",  # F.rms_norm
         "einops>=0.7",
         # Triton wheels exist for Linux only; elsewhere the CPU paths still run.
         "triton>=3.0; platform_system == 'Linux'",

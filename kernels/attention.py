@@ -21,6 +21,7 @@ Layout of the work (flash-decoding, also for T > 1):
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -171,7 +172,10 @@ def _ragged_attn_merge_kernel(
 
 
 def _compiler_has_sched4reg() -> bool:
-    """Whether this Triton's CUDA compiler takes the ``sched4reg`` option (added in 3.9)."""
+    """Whether this Triton's CUDA compiler takes the ``sched4reg`` option (added in 3.9; ROCm's
+    compiler does not)."""
+    if torch.version.hip is not None:
+        return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
@@ -201,10 +205,11 @@ def max_tile_rows(dtype: torch.dtype, head_dim: int, max_shared: int | None = No
 
 
 def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: int | None = None
-                     ) -> dict[str, int | bool]:
-    """Block sizes, warps and compile options for ``rows = G * T`` packed query rows (shared by
-    launcher and registry), on a GPU that gives a program ``max_shared`` bytes of shared memory
-    (None: no limit, as on the compile check's sm_80 and sm_90 targets)."""
+                     ) -> dict[str, Any]:
+    """Block sizes, warps, stages and other compiler options (``options``, launch keywords) for
+    ``rows = G * T`` packed query rows (shared by launcher and registry), on a GPU that gives a
+    program ``max_shared`` bytes of shared memory (None: no limit, as on the compile check's
+    sm_80 and sm_90 targets)."""
     # One tile of next_pow2(rows) rows (at least 16, the smallest tl.dot), so each K/V tile is
     # loaded once per KV head, up to `max_tile_rows`; more rows take more row blocks, each
     # re-reading K/V. Every size here compiles without spills for sm_80 and sm_90 (the compile
@@ -226,13 +231,8 @@ def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: i
     # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
     dot_f32 = dtype == torch.bfloat16 and interpreter_enabled()
     return dict(BM=BM, BN=BN, BD=BD, IEEE=dtype == torch.float32, DOT_F32=dot_f32, num_warps=num_warps,
-                num_stages=1 if dtype == torch.float32 or half_wide_heads else 2, sched4reg=half_wide_heads)
-
-
-def _compile_options(cfg: dict[str, int | bool]) -> dict[str, bool]:
-    """Compiler options beyond warps and stages (launch keywords; the registry compiles with the
-    same): only those that differ from Triton's defaults, so other launches stay as they were."""
-    return {"sched4reg": True} if cfg["sched4reg"] else {}
+                num_stages=1 if dtype == torch.float32 or half_wide_heads else 2,
+                options={"sched4reg": True} if half_wide_heads else {})
 
 
 def min_split_keys(dtype: torch.dtype, rows: int, BN: int) -> int:
@@ -310,7 +310,7 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         D=D, BM=BM, BN=BN, BD=BD, IEEE=cfg["IEEE"], DOT_F32=cfg["DOT_F32"], num_warps=num_warps,
-        num_stages=cfg["num_stages"], **_compile_options(cfg),
+        num_stages=cfg["num_stages"], **cfg["options"],
     )
     if max_splits > 1:
         _ragged_attn_merge_kernel[(rows, Hkv, B)](
@@ -348,7 +348,7 @@ def _register() -> None:
                 register(KernelSpec(
                     f"attention[fwd,{short[dtype]},D={D},BM={cfg['BM']},BN={cfg['BN']}]",
                     _ragged_attn_fwd_kernel, signature, constexprs, num_warps=cfg["num_warps"],
-                    num_stages=cfg["num_stages"], options=_compile_options(cfg),
+                    num_stages=cfg["num_stages"], options=cfg["options"],
                     aligned=pointers + strides))
                 merge_sig = {"out_ptr": ptr, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
                              "cache_seqlens_ptr": "*i64", "q_seqlens_ptr": "*i64",

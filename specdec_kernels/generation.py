@@ -46,7 +46,8 @@ class GenerationStats:
             Without such cuts ``num_generated = 1 + num_steps + num_accepted`` (the first token
             comes from the prefill); with them it is less.
         target_forwards, draft_forwards: batched forward calls, the prefill included.
-        time_prefill_s: prompt prefill of target and draft.
+        time_prefill_s: prompt prefill of target and draft; time_draft_prefill_s: the draft
+            model's part of it (0 for prompt lookup and plain generation).
         time_target_s, time_draft_s, time_sampler_s: decoding steps' target forwards, drafting
             (draft forwards, or n-gram proposals: those are made after the prefill and after
             every step, so the last one, never verified, counts too), sampling (the first
@@ -60,6 +61,7 @@ class GenerationStats:
     target_forwards: int = 0
     draft_forwards: int = 0
     time_prefill_s: float = 0.0
+    time_draft_prefill_s: float = 0.0
     time_target_s: float = 0.0
     time_draft_s: float = 0.0
     time_sampler_s: float = 0.0
@@ -394,8 +396,10 @@ def _finish(request: _Request, input_ids, outputs: _Outputs, stats: GenerationSt
     tokens = outputs.tokens[:, : request.max_new_tokens]
     pad = pad_token_id if pad_token_id is not None else (int(request.eos[0]) if len(request.eos) else 0)
     tokens = torch.where(tokens < 0, pad, tokens)
-    stats.time_prefill_s, stats.time_target_s, stats.time_draft_s, stats.time_sampler_s = (
-        timer.seconds("prefill"), timer.seconds("target"), timer.seconds("draft"), timer.seconds("sampler"))
+    stats.time_draft_prefill_s = timer.seconds("draft prefill")
+    stats.time_prefill_s = timer.seconds("prefill") + stats.time_draft_prefill_s
+    stats.time_target_s, stats.time_draft_s, stats.time_sampler_s = (
+        timer.seconds("target"), timer.seconds("draft"), timer.seconds("sampler"))
     stats.num_generated, stats.num_steps = outputs.counts.cpu(), stats.num_steps.cpu()
     stats.num_proposed, stats.num_accepted = stats.num_proposed.cpu(), stats.num_accepted.cpu()
     stats.time_total_s = time.perf_counter() - t_start
@@ -536,7 +540,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         context_lengths = request.prompt_lengths.clone()
     else:
         draft_cache = _new_cache(draft, "draft", B, request.max_len, device)
-        with timer("prefill"):
+        with timer("draft prefill"):
             draft_prefill = _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths,
                                          request.prompt_tokens, max_seqlen=request.prompt.shape[1])
         stats.draft_forwards += 1

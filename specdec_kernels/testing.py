@@ -11,8 +11,8 @@ package. Nothing here imports triton at module import time.
 - `SyncCounter`: counts host synchronizations (``item``, ``bool(tensor)``,
   ``tolist``, ``nonzero``, boolean-mask indexing, device-to-host copies...).
 - `compile_check` / `run_compile_check`: compile registered kernel
-  specializations for real GPU targets (sm_80, sm_90) without a GPU and read
-  registers and spills from the cubin.
+  specializations for real GPU targets (sm_80, sm_90) without a GPU, read
+  registers and spills from the cubin and shared memory from the compile metadata.
 """
 
 from __future__ import annotations
@@ -307,7 +307,8 @@ class CompileReport:
     @property
     def ok(self) -> bool:
         """Compiled, spills nothing, and fits the target's shared memory."""
-        fits = self.shared_bytes is None or self.shared_bytes <= SHARED_MEMORY_LIMITS[int(self.arch[3:])]
+        limit = SHARED_MEMORY_LIMITS.get(int(self.arch[3:]))  # None: a target this table lacks
+        fits = self.shared_bytes is None or limit is None or self.shared_bytes <= limit
         return self.error is None and not self.stack_bytes and not self.local_bytes and fits
 
 

@@ -69,7 +69,7 @@ CASES = [
     pytest.param(2, 5, 3, 3, 128, 140, [140, 7], [5, 2], torch.float16, id="B2-T5-G3-D128-fp16"),
     pytest.param(2, 5, 4, 2, 80, 140, [33, 140], [3, 5], torch.bfloat16, id="B2-T5-G4-D80-bf16"),
     pytest.param(2, 2, 3, 2, 96, 70, [70, 2], None, torch.float16, id="B2-T2-G3-D96-fp16"),
-    pytest.param(2, 17, 8, 1, 128, 60, [60, 17], [17, 9], torch.float16, id="B2-T17-G8-D128-fp16-256rows"),
+    pytest.param(2, 17, 8, 1, 128, 60, [60, 17], [17, 9], torch.float16, id="B2-T17-G8-D128-fp16-wide"),
 ]
 
 
@@ -262,6 +262,7 @@ def test_launches_are_registered_specializations(monkeypatch):
     pytest.importorskip("triton")
     from specdec_kernels.kernels import attention as kernels
     from specdec_kernels.kernels.registry import registered_specs, torch_dtype_to_triton
+    from specdec_kernels.testing import SHARED_MEMORY_LIMITS
 
     launches = []
 
@@ -276,11 +277,15 @@ def test_launches_are_registered_specializations(monkeypatch):
         monkeypatch.setattr(kernels, name, Recorder(getattr(kernels, name)))
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for D in kernels.HEAD_DIMS:
-            for G, T in ((1, 1), (3, 5), (4, 9), (8, 9), (8, 17), (8, 30)):
+            for G, T in ((1, 1), (4, 5), (3, 5), (4, 9), (8, 9), (8, 17), (8, 30)):  # 1 to 240 rows
                 q, k, v = torch.zeros(1, T, G, D, dtype=dtype), *torch.zeros(2, 1, 64, 1, D, dtype=dtype)
-                kernels.ragged_attention_triton(q, k, v, torch.tensor([64]), None, 0.1, max_splits=2, min_chunk=32)
+                for max_shared in (None, SHARED_MEMORY_LIMITS[86]):  # no limit; a GPU of 99 KB
+                    monkeypatch.setattr(kernels, "_max_shared_memory", lambda device: max_shared)
+                    kernels.ragged_attention_triton(q, k, v, torch.tensor([64]), None, 0.1, max_splits=2,
+                                                    min_chunk=32)
     specs = [s for s in registered_specs() if s.name.startswith("attention[")]
-    assert len(launches) == 2 * 3 * len(kernels.HEAD_DIMS) * 6  # forward and merge each time
+    assert len(launches) == 2 * 3 * len(kernels.HEAD_DIMS) * 7 * 2  # forward and merge each time
+    assert {kwargs["BM"] for _, _, kwargs in launches if "BM" in kwargs} == {16, 32, 64, 128, 256}
     for kernel, dtype, kwargs in launches:
         constexprs = {name: kwargs[name] for name in ("D", "BM", "BN", "BD", "BS", "IEEE") if name in kwargs}
         options = {k: v for k, v in kwargs.items()

@@ -32,7 +32,7 @@ def test_all_specializations_compile_without_spills(reports):
 def test_specializations_fit_the_shared_memory_of_the_gpus_that_launch_them(reports):
     """Every specialization fits the 99 KB a program gets on compute capability 8.6 / 8.9, except
     the 256-row attention tiles at head dims 80-128, which the launcher picks only on GPUs with
-    `WIDE_HEAD_TILE_SHARED_BYTES` or more (and which need exactly that)."""
+    `WIDE_HEAD_TILE_SHARED_BYTES` or more (and which must need no more than that)."""
     from specdec_kernels.kernels.attention import WIDE_HEAD_TILE_SHARED_BYTES
 
     smallest = min(SHARED_MEMORY_LIMITS.values())

@@ -332,6 +332,21 @@ def test_drafts_past_the_token_budget_are_not_made(target):
     assert spec.stats.draft_forwards == 1 + 3 * int(spec.stats.num_steps.max())
 
 
+def test_phase_times_add_up(target):
+    """The phase timers are within the call's wall time; only a draft model has a prefill of
+    its own, and it is part of ``time_prefill_s``."""
+    ids, mask = ragged_prompts(B=3)
+    runs = {"generate": generate(target, ids, mask, max_new_tokens=5, temperature=0),
+            "lookup": speculative_generate(target, PromptLookupDraft(), ids, mask, max_new_tokens=5, temperature=0),
+            "model": speculative_generate(target, target.truncated(1), ids, mask, max_new_tokens=5, temperature=0)}
+    for name, out in runs.items():
+        st = out.stats
+        phases = (st.time_prefill_s, st.time_target_s, st.time_draft_s, st.time_sampler_s)
+        assert min(phases) >= 0 and sum(phases) <= st.time_total_s, name
+        assert 0 <= st.time_draft_prefill_s <= st.time_prefill_s
+        assert (st.time_draft_prefill_s > 0) == (name == "model"), name
+
+
 def test_numpy_numbers_are_taken_for_sampling_arguments(target):
     import numpy as np
 
