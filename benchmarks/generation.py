@@ -13,9 +13,9 @@ Compared side by side in one run, greedy, same weights, same prompts:
   step = our plain run's target time per decoding step; verify = the speculative run's). The
   measured speedup is that of the decoding phase too: tokens per second after the target's
   prefill, which both runs share and the formula does not model (the tokens/s columns include
-  it; a draft model's prefill counts on the speculative side). What
-  efficiency misses from 1 is time outside the model forwards (sampler, drafting bookkeeping,
-  loop) and, in a batch, rows that need more steps than the mean acceptance predicts.
+  it; a draft model's prefill counts on the speculative side). What efficiency misses from 1 is
+  time outside the model forwards (sampler, drafting bookkeeping, loop) and, in a batch, rows
+  that need more steps than the mean acceptance predicts.
 """
 
 from __future__ import annotations

@@ -262,6 +262,7 @@ def test_launches_are_registered_specializations(monkeypatch):
     pytest.importorskip("triton")
     from specdec_kernels.kernels import attention as kernels
     from specdec_kernels.kernels.registry import registered_specs, torch_dtype_to_triton
+
     from specdec_kernels.testing import SHARED_MEMORY_LIMITS
 
     launches = []
@@ -280,7 +281,7 @@ def test_launches_are_registered_specializations(monkeypatch):
             for G, T in ((1, 1), (4, 5), (3, 5), (4, 9), (8, 9), (8, 17), (8, 30)):  # 1 to 240 rows
                 q, k, v = torch.zeros(1, T, G, D, dtype=dtype), *torch.zeros(2, 1, 64, 1, D, dtype=dtype)
                 for max_shared in (None, SHARED_MEMORY_LIMITS[86]):  # no limit; a GPU of 99 KB
-                    monkeypatch.setattr(kernels, "_max_shared_memory", lambda device: max_shared)
+                    monkeypatch.setattr(kernels, "_max_shared_memory", lambda device, limit=max_shared: limit)
                     kernels.ragged_attention_triton(q, k, v, torch.tensor([64]), None, 0.1, max_splits=2,
                                                     min_chunk=32)
     specs = [s for s in registered_specs() if s.name.startswith("attention[")]
@@ -303,6 +304,7 @@ def test_wide_head_tiles_only_where_the_gpu_has_the_shared_memory():
     8.6 / 8.9 (99 KB per program) get 128-row tiles; head dim 64 needs less and keeps 256."""
     pytest.importorskip("triton")
     from specdec_kernels.kernels import attention as kernels
+
     from specdec_kernels.testing import SHARED_MEMORY_LIMITS
 
     for dtype in (torch.float16, torch.bfloat16):

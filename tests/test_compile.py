@@ -24,7 +24,8 @@ def test_every_kernel_module_registers_specializations(reports):
 
 def test_all_specializations_compile_without_spills(reports):
     assert reports
-    failures = [f"{r.arch} {r.name}: {r.error or f'stack={r.stack_bytes} local={r.local_bytes} shared={r.shared_bytes}'}"
+    failures = [f"{r.arch} {r.name}: "
+                f"{r.error or f'stack={r.stack_bytes} local={r.local_bytes} shared={r.shared_bytes}'}"
                 for r in reports if not r.ok]
     assert not failures, "\n".join(failures)
 
