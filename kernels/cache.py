@@ -39,8 +39,8 @@ def _kv_append_kernel(
 
 
 def append_config(head_dim: int) -> dict[str, int]:
-    """Block size and warps for one [D] vector (shared by launcher and registry)."""
-    return dict(BD=max(16, triton.next_power_of_2(head_dim)), num_warps=1)
+    """Block size, warps and stages for one [D] vector (shared by launcher and registry)."""
+    return dict(BD=max(16, triton.next_power_of_2(head_dim)), num_warps=1, num_stages=1)
 
 
 @on_input_device
@@ -63,7 +63,7 @@ def append_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Ten
     _kv_append_kernel[(T, Hkv, B)](
         k_cache, v_cache, k_new, v_new, lengths, q_seqlens, int(has_q), T,
         k_cache.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
-        D=D, BD=cfg["BD"], num_warps=cfg["num_warps"],
+        D=D, BD=cfg["BD"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -82,7 +82,7 @@ def _register() -> None:
             # Pointers 16-byte aligned, strides multiples of D (so of 16), as in real launches.
             aligned = tuple(n for n in signature if n.endswith("_ptr") or n.startswith("stride_"))
             register(KernelSpec(f"cache[append,{short[dtype]},D={D}]", _kv_append_kernel, signature,
-                                dict(D=D, BD=cfg["BD"]), num_warps=cfg["num_warps"], num_stages=1,
+                                dict(D=D, BD=cfg["BD"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                 aligned=aligned))
 
 

@@ -256,49 +256,6 @@ def test_triton_bytes_moved_wide_tiles(split, dtype, T, D):
     _check_bytes_moved(2, T, 8, 1, [long, 40], [T, T - 3], dtype, max_splits=1 if split == "nosplit" else 4, D=D)
 
 
-def test_launches_are_registered_specializations(monkeypatch):
-    """Every launch the attention launcher makes (tile sizes, warps, stages, compiler options)
-    is a specialization the compile check compiles: the registry and the launcher agree."""
-    pytest.importorskip("triton")
-    from specdec_kernels.kernels import attention as kernels
-    from specdec_kernels.kernels.registry import registered_specs, torch_dtype_to_triton
-
-    from specdec_kernels.testing import SHARED_MEMORY_LIMITS
-
-    launches = []
-
-    class Recorder:  # stands in for a @triton.jit kernel: records each launch, runs nothing
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kernel, args[0].dtype, kwargs))
-
-    for name in ("_ragged_attn_fwd_kernel", "_ragged_attn_merge_kernel"):
-        monkeypatch.setattr(kernels, name, Recorder(getattr(kernels, name)))
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for D in kernels.HEAD_DIMS:
-            for G, T in ((1, 1), (4, 5), (3, 5), (4, 9), (8, 9), (8, 17), (8, 30)):  # 1 to 240 rows
-                q, k, v = torch.zeros(1, T, G, D, dtype=dtype), *torch.zeros(2, 1, 64, 1, D, dtype=dtype)
-                for max_shared in (None, SHARED_MEMORY_LIMITS[86]):  # no limit; a GPU of 99 KB
-                    monkeypatch.setattr(kernels, "_max_shared_memory", lambda device, limit=max_shared: limit)
-                    kernels.ragged_attention_triton(q, k, v, torch.tensor([64]), None, 0.1, max_splits=2,
-                                                    min_chunk=32)
-    specs = [s for s in registered_specs() if s.name.startswith("attention[")]
-    assert len(launches) == 2 * 3 * len(kernels.HEAD_DIMS) * 7 * 2  # forward and merge each time
-    assert {kwargs["BM"] for _, _, kwargs in launches if "BM" in kwargs} == {16, 32, 64, 128, 256}
-    for kernel, dtype, kwargs in launches:
-        constexprs = {name: kwargs[name] for name in ("D", "BM", "BN", "BD", "BS", "IEEE") if name in kwargs}
-        options = {k: v for k, v in kwargs.items()
-                   if k not in ("num_warps", "num_stages", "D", "BM", "BN", "BD", "BS", "IEEE", "DOT_F32")}
-        pointer = torch_dtype_to_triton(dtype)  # of q (forward) or out (merge), the first argument
-        matches = [s for s in specs if s.kernel is kernel and next(iter(s.signature.values())) == pointer
-                   and s.num_warps == kwargs["num_warps"] and s.num_stages == kwargs["num_stages"]
-                   and s.options == options and s.constexprs.keys() - {"DOT_F32"} == constexprs.keys()
-                   and all(s.constexprs[name] == value for name, value in constexprs.items())]
-        assert len(matches) == 1, (dtype, constexprs, options, kwargs["num_warps"], kwargs["num_stages"])
-
-
 def test_wide_head_tiles_only_where_the_gpu_has_the_shared_memory():
     """256-row tiles at head dims 80-128 take 128 KB of shared memory: GPUs of compute capability
     8.6 / 8.9 (99 KB per program) get 128-row tiles; head dim 64 needs less and keeps 256."""

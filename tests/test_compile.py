@@ -1,10 +1,14 @@
 """GPU compile check: every kernel specialization the package launches compiles for sm_80 and
-sm_90 (no GPU needed), spills no registers and fits the shared memory of the GPUs it runs on."""
+sm_90 (no GPU needed), spills no registers and fits the shared memory of the GPUs it runs on;
+and what the launchers launch is exactly what the registry holds (`launch_recorder`)."""
 
 import re
 
 import pytest
+import torch
+from launch_recorder import LaunchRecorder, assert_all_registered
 from specdec_kernels.kernels import KERNEL_MODULES
+from specdec_kernels.kernels.registry import registered_specs
 
 from specdec_kernels.testing import COMPILE_TARGETS, SHARED_MEMORY_LIMITS, run_compile_check
 
@@ -41,3 +45,66 @@ def test_specializations_fit_the_shared_memory_of_the_gpus_that_launch_them(repo
     for r in reports:
         limit = WIDE_HEAD_TILE_SHARED_BYTES if wide.match(r.name) else smallest
         assert r.shared_bytes is not None and r.shared_bytes <= limit, (r.arch, r.name, r.shared_bytes, limit)
+
+
+def _registered(prefix: str) -> set[str]:
+    return {spec.name for spec in registered_specs() if spec.name.startswith(prefix)}
+
+
+def test_attention_launches_are_the_registered_specializations(monkeypatch):
+    """Tile sizes, warps, stages and compiler options of every attention launch (1 to 240 packed
+    rows, every dtype and head dim, with and without a 99 KB shared-memory limit) are registered
+    specs, and every registered spec is launched by one of these inputs."""
+    from specdec_kernels.kernels import attention as kernels
+
+    recorder = LaunchRecorder(monkeypatch, kernels, "_ragged_attn_fwd_kernel", "_ragged_attn_merge_kernel")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for D in kernels.HEAD_DIMS:
+            for G, T in ((1, 1), (4, 5), (3, 5), (4, 9), (8, 9), (8, 17), (8, 30)):
+                q, k, v = torch.zeros(1, T, G, D, dtype=dtype), *torch.zeros(2, 1, 64, 1, D, dtype=dtype)
+                for max_shared in (None, SHARED_MEMORY_LIMITS[86]):
+                    monkeypatch.setattr(kernels, "_max_shared_memory", lambda device, limit=max_shared: limit)
+                    for q_seqlens in (None, torch.tensor([T])):
+                        kernels.ragged_attention_triton(q, k, v, torch.tensor([64]), q_seqlens, 0.1, max_splits=2,
+                                                        min_chunk=32)
+    assert len(recorder.launches) == 3 * len(kernels.HEAD_DIMS) * 7 * 2 * 2 * 2  # forward and merge each time
+    assert {kwargs["BM"] for _, _, kwargs in recorder.launches if "BM" in kwargs} == {16, 32, 64, 128, 256}
+    assert assert_all_registered(recorder.launches) == _registered("attention[")
+
+
+def test_cache_append_launches_are_the_registered_specializations(monkeypatch):
+    from specdec_kernels.kernels import cache as kernels
+
+    recorder = LaunchRecorder(monkeypatch, kernels, "_kv_append_kernel")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for D in kernels.HEAD_DIMS:
+            k_cache, v_cache = torch.zeros(2, 2, 16, 3, D, dtype=dtype)
+            for T, q_seqlens in ((1, None), (5, None), (5, torch.tensor([5, 2], dtype=torch.int32))):
+                k_new, v_new = torch.zeros(2, 2, T, 3, D, dtype=dtype)
+                kernels.append_triton(k_cache, v_cache, k_new, v_new, torch.tensor([3, 0]), q_seqlens)
+    assert len(recorder.launches) == 3 * len(kernels.HEAD_DIMS) * 3
+    assert assert_all_registered(recorder.launches) == _registered("cache[")
+
+
+def test_sampling_launches_are_the_registered_specializations(monkeypatch):
+    """Every sampler launch (probabilities, logits with and without filters, thresholds, first
+    rejection), with and without a draft, ragged counts, per-row greedy flags, temperatures and
+    every kind of seed, is a registered spec, and every registered spec is launched."""
+    from specdec_kernels.kernels import sampling as kernels
+
+    recorder = LaunchRecorder(monkeypatch, kernels, "_rejection_sample_kernel", "_rejection_sample_logits_kernel",
+                              "_logit_thresholds_kernel", "_first_rejection_kernel")
+    B, K, V = 2, 3, 50
+    ids = torch.zeros(B, K, dtype=torch.int64)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        target = torch.zeros(B, K + 1, V, dtype=dtype)
+        for draft in (None, torch.zeros(B, K, V, dtype=dtype)):
+            for n, greedy, seed in ((None, False, 7), (torch.tensor([3, 1], dtype=torch.int32), True, -3),
+                                    (torch.tensor([0, 3]), torch.tensor([True, False]), 2**62 + 5),
+                                    (None, False, torch.tensor([1, 2])), (None, False, None)):
+                kernels.rejection_sample_triton(target, draft, ids, n, greedy, seed=seed)
+                for temperature, top_k, top_p in ((0.7, None, None), (torch.tensor([0.0, 1.5]), 5, 0.9)):
+                    kernels.rejection_sample_logits_triton(target, draft, ids, n, greedy, temperature, top_k, top_p,
+                                                           seed=seed)
+    kernels.first_rejection_index_triton(torch.zeros(B, K, dtype=torch.bool), torch.tensor([3, 1]))
+    assert assert_all_registered(recorder.launches) == _registered("sampling.")
