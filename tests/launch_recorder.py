@@ -7,10 +7,12 @@ from __future__ import annotations
 import torch
 from specdec_kernels.kernels.registry import KernelSpec, registered_specs, torch_dtype_to_triton
 
-# Constexprs the launchers set only under the Triton interpreter (see `attention_config`): the
-# registry holds the GPU value.
-INTERPRETER_ONLY = {"DOT_F32"}
-_TRITON_DEFAULTS = {"num_warps": 4, "num_stages": 3}
+
+def _triton_defaults() -> dict[str, int]:
+    """Warps and stages a launch gets when it passes none (Triton's CUDA options)."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return {"num_warps": CUDAOptions.num_warps, "num_stages": CUDAOptions.num_stages}
 
 
 class LaunchRecorder:
@@ -34,16 +36,22 @@ class _StandIn:
 def _argument_fits(kind: str, value) -> bool:
     if kind.startswith("*"):
         return isinstance(value, torch.Tensor) and torch_dtype_to_triton(value.dtype) == kind
-    if kind == "i32":  # Triton types a Python int by its value: i32 only within that range
-        return isinstance(value, int) and -(2**31) <= value < 2**31
+    if kind == "i32":  # Triton types a Python int by its value (i32 only in range), a bool as u1
+        return type(value) is int and -(2**31) <= value < 2**31
     if kind == "fp32":
         return isinstance(value, float)
     return False
 
 
+def _same_constexpr(registered, launched) -> bool:
+    return type(registered) is type(launched) and registered == launched  # True is not 1
+
+
 def registered_specs_for(kernel, args: tuple, kwargs: dict) -> list[KernelSpec]:
     """The registered specializations one launch is: same kernel, argument types (pointer dtypes,
-    int ranges), constexprs, warps, stages and other compiler options."""
+    int ranges, no bools), constexprs (value and type), warps, stages and other compiler options.
+    Not checked: Triton's own value specializations (an int equal to 1, alignment to 16)."""
+    defaults = _triton_defaults()
     found = []
     for spec in registered_specs():
         if spec.kernel is not kernel:
@@ -54,12 +62,12 @@ def registered_specs_for(kernel, args: tuple, kwargs: dict) -> list[KernelSpec]:
         if len(args) > len(names) or set(bound) != set(names):
             continue
         fits = all(
-            (spec.constexprs.get(name) == bound[name] or name in INTERPRETER_ONLY) if kind == "constexpr"
+            _same_constexpr(spec.constexprs.get(name), bound[name]) if kind == "constexpr"
             else _argument_fits(kind, bound[name])
             for name, kind in spec.signature.items())
-        options = {k: v for k, v in kwargs.items() if k not in spec.signature and k not in _TRITON_DEFAULTS}
-        launch = {k: kwargs.get(k, default) for k, default in _TRITON_DEFAULTS.items()}
-        if fits and launch == {"num_warps": spec.num_warps, "num_stages": spec.num_stages} and options == spec.options:
+        options = {k: v for k, v in kwargs.items() if k not in spec.signature and k not in defaults}
+        if (fits and kwargs.get("num_warps", defaults["num_warps"]) == spec.num_warps
+                and kwargs.get("num_stages", defaults["num_stages"]) == spec.num_stages and options == spec.options):
             found.append(spec)
     return found
 
