@@ -243,16 +243,13 @@ def min_split_keys(dtype: torch.dtype, rows: int, BN: int) -> int:
     return triton.cdiv(keys, BN) * BN
 
 
+@functools.cache
 def _max_shared_memory(device: torch.device) -> int | None:
-    """Shared memory one program may use on ``device`` (None off CUDA: the interpreter)."""
+    """Shared memory one program may use on ``device`` (a tensor's: CUDA ones carry their index;
+    None off CUDA: the interpreter)."""
     if device.type != "cuda":
         return None
-    return _device_max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _device_max_shared_memory(index: int) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
 
 
 def _max_splits(batch: int, programs_per_row: int, max_len: int, min_chunk: int, device: torch.device) -> int:
