@@ -3,7 +3,8 @@ benchmarks (`test_bench_generation.py`) and the table script (`python -m benchma
 
 Compared side by side in one run, greedy, same weights, same prompts:
 
-- our `generate` vs Hugging Face ``model.generate``;
+- our `generate` vs Hugging Face ``model.generate`` (our model's matmul weights MKL-packed once,
+  `Llama.pack_weights`, where torch has MKL; ``--no-pack`` leaves them as Hugging Face has them);
 - our `speculative_generate` (prompt-lookup draft; a draft made of the target's first layers) vs
   our `generate` vs Hugging Face assisted generation with the same draft (``prompt_lookup_num_tokens=``,
   ``assistant_model=``), which supports one row at a time, so batch 8 loops over rows;
@@ -48,13 +49,17 @@ class Setup:
     tokenizer: object
 
 
-def load_setup() -> Setup:
-    """SmolLM2 as our model and as transformers models on the same converted weights."""
+def load_setup(pack: bool = True) -> Setup:
+    """SmolLM2 as our model and as transformers models on the same converted weights. ``pack``:
+    our model's matmul weights in MKL's packed layout (`Llama.pack_weights`), where torch has MKL."""
     from transformers import LlamaForCausalLM
 
+    from specdec_kernels.model import mkl_packing_available
     from specdec_kernels.pretrained import load_smollm2, smollm2_folder
 
     model, tokenizer = load_smollm2()
+    if pack and mkl_packing_available():
+        model.pack_weights()
     folder = smollm2_folder()
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     hf_draft = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, num_hidden_layers=DRAFT_LAYERS).eval()
@@ -117,13 +122,14 @@ def predicted_speedup(a: float, k: int, c: float, v: float) -> float:
     return (1 - a ** (k + 1)) / ((1 - a) * (k * c + v))
 
 
-def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3) -> str:
+def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True) -> str:
     """Run every comparison ``repeats`` times (interleaved, so load changes hit every method alike)
     and return a markdown table of medians plus the machine line."""
     from benchmarks.timing import machine_line
 
     torch.manual_seed(0)
-    setup = load_setup()
+    setup = load_setup(pack)
+    packed = setup.model.output._packed is not None
     rows = []
     for B in batch_sizes:
         methods = (("ours generate", run_ours, None), ("HF generate", run_hf, None),
@@ -162,7 +168,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
     header = ("| batch | method | tokens/s | vs ours generate | vs HF generate | acceptance | "
               "measured c, v, decoding-phase speedup | efficiency |\n|---|---|---|---|---|---|---|---|")
     return (f"SmolLM2-135M-Instruct fp32, greedy, {max_new_tokens} new tokens per row, K = {k}, "
-            f"median of {repeats} interleaved runs\n"
+            f"median of {repeats} interleaved runs, our weights {'MKL-packed' if packed else 'unpacked'}\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
 
@@ -173,5 +179,6 @@ if __name__ == "__main__":
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-pack", action="store_true", help="leave our model's weights unpacked")
     args = parser.parse_args()
-    print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats))
+    print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack))

@@ -116,12 +116,15 @@ def _run_batches(args: argparse.Namespace, model, draft, tokenizer, batches: lis
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
+    from specdec_kernels.model import mkl_packing_available
     from specdec_kernels.pretrained import ModelNotInstalledError, load_smollm2
 
     torch.manual_seed(0)
     try:
         _progress(0, 1, "loading SmolLM2-135M-Instruct")
         model, tokenizer = load_smollm2(device=args.device)
+        if model.output.weight.device.type == "cpu" and mkl_packing_available():
+            model.pack_weights()  # MKL's packed GEMM: faster matmuls from 4 rows, twice the weights' memory
         _progress(1, 1, "model loaded")
     except ModelNotInstalledError as e:
         print(f"\n{e}", file=sys.stderr)
@@ -147,8 +150,9 @@ def run_demo(args: argparse.Namespace) -> int:
     for prompt, text in zip(prompts, outputs, strict=True):
         print(f"\n>>> {prompt}\n{text.strip()}")
     plain_tps, spec_tps = (totals[k][0] / totals[k][1] for k in ("plain", "speculative"))
+    packed = ", MKL-packed weights" if model.output._packed is not None else ""
     print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, batch size {args.batch_size}, "
-          f"device {args.device}")
+          f"device {args.device}{packed}")
     print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens)")
     print(f"plain decoding:       {plain_tps:7.1f} tokens/s")
     print(f"speculative decoding: {spec_tps:7.1f} tokens/s")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec_kernels import KVCache
-from specdec_kernels.model import Llama, LlamaConfig, RMSNorm, linear
+from specdec_kernels.model import Linear, Llama, LlamaConfig, RMSNorm, linear, mkl_packing_available
 from specdec_kernels.testing import assert_close
 
 from tiny_models import tiny_config, tiny_llama
@@ -257,6 +257,75 @@ def test_linear_matches_f_linear_at_every_row_count(rows):
     out = linear(x, weight)
     assert out.shape == (rows, 1, 40)
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
+
+
+def mkl_linear_calls(fn) -> int:
+    """How many MKL packed GEMMs ``fn()`` runs."""
+    with torch.profiler.profile() as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "mkl::_mkl_linear")
+
+
+@needs_mkl
+@pytest.mark.parametrize("B, T", [(1, 1), (1, 3), (2, 2), (3, 5), (8, 1), (4, 17)])
+def test_packed_weights_give_the_unpacked_results(B, T):
+    model = tiny_llama(seed=1)
+    packed = tiny_llama(seed=1).pack_weights()
+    ids = torch.randint(0, 97, (B, 6 + T), generator=torch.Generator().manual_seed(B * T))
+    q_seqlens = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(T))
+    with torch.inference_mode():
+        logits = []
+        for m in (model, packed):
+            cache = m.new_cache(B, 6 + T)
+            m(ids[:, :6], cache)
+            logits.append(m(ids[:, 6:], cache, q_seqlens))
+        # Every matmul (2 layers x 4, plus the head) is packed from 4 rows on, none below.
+        assert mkl_linear_calls(lambda: packed(ids[:, :T], packed.new_cache(B, T))) == (9 if B * T >= 4 else 0)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_packed_weights_follow_weight_changes_and_stay_out_of_the_state_dict():
+    model = tiny_llama(seed=2)
+    keys = set(model.state_dict())
+    draft = model.pack_weights().truncated(1)
+    assert set(model.state_dict()) == keys
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    layer = model.layers[0].attention.wqkv
+    with torch.inference_mode():
+        assert mkl_linear_calls(lambda: draft.layers[0].attention.wqkv(x)) == 1  # the draft shares the copies
+        with torch.no_grad():
+            layer.weight.mul_(2)  # in place: a stale copy would give half the product
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        model.load_state_dict(tiny_llama(seed=3).state_dict())
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))  # replaced
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        model.pack_weights(False)
+        assert mkl_linear_calls(lambda: layer(x)) == 0
+
+
+@needs_mkl
+def test_packed_weights_keep_autograd_and_other_dtypes_on_the_plain_path():
+    layer = Linear(64, 32)
+    layer.pack()
+    x = torch.randn(6, 64, requires_grad=True)
+    out = layer(x)  # grad mode: the packed GEMM has no backward, so it is not used
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.detach().sum(0).expand(6, 64))
+    assert layer.weight.grad is not None
+    with torch.inference_mode():
+        half = Linear(64, 32).to(torch.bfloat16)
+        with pytest.raises(ValueError, match="CPU float32 weight"):
+            half.pack()
+        with pytest.raises(ValueError, match="CPU float32 weight"):
+            tiny_llama().to(torch.float16).pack_weights()
+        layer = layer.to(torch.float64)  # a packed layer cast afterwards runs unpacked
+        assert mkl_linear_calls(lambda: layer(x.detach().double())) == 0
 
 
 @pytest.mark.parametrize("dim", [96, 576])

@@ -30,6 +30,19 @@ def test_config_is_smollm2(smollm2):
             c.vocab_size) == (30, 576, 9, 3, 64, 49152)
 
 
+@pytest.fixture(params=["unpacked", "packed"])
+def packing(request, smollm2):
+    """Run a test on the model as loaded and with its weights MKL-packed (`Llama.pack_weights`)."""
+    from specdec_kernels.model import mkl_packing_available
+
+    if request.param == "packed" and not mkl_packing_available():
+        pytest.skip("this torch build has no MKL")
+    smollm2[0].pack_weights(request.param == "packed")
+    yield
+    smollm2[0].pack_weights(False)
+
+
+@pytest.mark.usefixtures("packing")
 def test_logits_match_transformers_on_a_ragged_batch(smollm2):
     model, tokenizer, hf = smollm2
     texts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
@@ -47,6 +60,7 @@ def test_logits_match_transformers_on_a_ragged_batch(smollm2):
             torch.testing.assert_close(ours[b, : len(e)], expected, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.usefixtures("packing")
 def test_greedy_speculative_equals_greedy_generate(smollm2):
     model, tokenizer, _ = smollm2
     texts = ["List the numbers from one to ten in words, separated by commas:",
