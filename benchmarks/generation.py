@@ -129,7 +129,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
 
     torch.manual_seed(0)
     setup = load_setup(pack)
-    packed = setup.model.output._packed is not None
+    packed = setup.model.output.packing
     rows = []
     for B in batch_sizes:
         methods = (("ours generate", run_ours, None), ("HF generate", run_hf, None),

@@ -52,15 +52,14 @@ def weights():
 
 
 @pytest.fixture(scope="module")
-def packed_layers(weights):
-    """The same weights as `Linear` modules with MKL-packed copies (`Llama.pack_weights`)."""
+def linear_layers(weights):
+    """The same weights as `Linear` modules (packed by the test: MKL packs for the thread count)."""
     if not mkl_packing_available():
         pytest.skip("this torch build has no MKL")
     layers = []
     for w in weights:
         layer = Linear(w.shape[1], w.shape[0]).requires_grad_(False)
         layer.weight.copy_(w)
-        layer.pack()
         layers.append(layer)
     return layers
 
@@ -74,7 +73,9 @@ def test_matmuls(benchmark, request, weights, impl, rows):
     torch.testing.assert_close(weight_first(inputs[576], weights[0]), F.linear(inputs[576], weights[0]),
                                rtol=1e-5, atol=1e-4)
     if impl == "mkl_packed":
-        layers = request.getfixturevalue("packed_layers")
+        layers = request.getfixturevalue("linear_layers")
+        for layer in layers:  # under the benchmark's thread count (`Llama.pack_weights`)
+            layer.pack()
         torch.testing.assert_close(layers[0](inputs[576]), F.linear(inputs[576], weights[0]), rtol=1e-5, atol=1e-4)
 
         def one_pass():

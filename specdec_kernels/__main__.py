@@ -150,7 +150,7 @@ def run_demo(args: argparse.Namespace) -> int:
     for prompt, text in zip(prompts, outputs, strict=True):
         print(f"\n>>> {prompt}\n{text.strip()}")
     plain_tps, spec_tps = (totals[k][0] / totals[k][1] for k in ("plain", "speculative"))
-    packed = ", MKL-packed weights" if model.output._packed is not None else ""
+    packed = ", MKL-packed weights" if model.output.packing else ""
     print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, batch size {args.batch_size}, "
           f"device {args.device}{packed}")
     print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens)")

@@ -98,10 +98,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
 
 
-# MKL chooses the GEMM kernels of a packed weight from the row count given when packing: packed
+# MKL chooses the GEMM kernels of a packed weight from the row count given when packing. Packed
 # for 64 rows, SmolLM2-135M's weights ran faster than with the best unpacked form from 4 to 102
-# rows, within 5% at 816 (a hint of 8 ran 1.4-1.7 x slower from 40 rows up). Below 4 rows MKL's
-# unpacked kernels for one row were 1.1-1.25 x faster (benchmarks/test_bench_model.py::test_matmuls).
+# rows and within 5% at 816 (benchmarks/test_bench_model.py::test_matmuls); packed for 8 rows,
+# 1.4-1.7 x slower from 40 rows up (a scratch script, 2026-11-22). Below 4 rows MKL's unpacked
+# one-row kernels were 1.1-1.25 x faster than the packed GEMM.
 _PACK_ROWS = 64
 _MIN_PACKED_ROWS = 4
 
@@ -119,38 +120,60 @@ def _weight_identity(weight: torch.Tensor) -> tuple:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` without bias, computed by `linear`; or, once `pack` has made a copy of the
-    weight in MKL's packed GEMM layout, by MKL's packed GEMM for CPU float32 inputs of 4 rows or
-    more without autograd (the packed copy is not a parameter or buffer: ``state_dict`` and
-    ``.to()`` ignore it)."""
+    """``nn.Linear`` without bias, computed by `linear`; or, after `pack`, by MKL's packed GEMM
+    from a copy of the weight in MKL's layout, for CPU float32 inputs of 4 rows or more without
+    autograd. The copy is not a parameter or buffer (``state_dict`` and ``.to()`` ignore it); it
+    is made again from the weight whenever the weight has changed, and copies of the module
+    (``copy.deepcopy``, pickling) make their own at first use."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
-        self._packed: tuple[tuple, torch.Tensor] | None = None
+        self.packing = False
+        # (weight identity, the weight packed, MKL's buffer). Holding the weight keeps its
+        # storage, so a new weight cannot reuse the address and pass for the packed one.
+        self._packed: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
-    def pack(self) -> None:
-        """Make (or remake) the packed copy of the weight, which must be a CPU float32 tensor."""
+    def check_packable(self) -> None:
+        """Raise unless `pack` can pack this weight: ValueError for a weight that is not CPU
+        float32, RuntimeError without MKL."""
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError(f"packing needs a CPU float32 weight, got {weight.dtype} on {weight.device}")
         if not mkl_packing_available():
             raise RuntimeError("packing needs a torch build with MKL (torch.backends.mkl.is_available())")
-        self._packed = (_weight_identity(weight),
-                        torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_ROWS))
+
+    def pack(self) -> None:
+        """Use MKL's packed GEMM from now on (see `Llama.pack_weights`)."""
+        self.check_packable()
+        weight = self.weight.detach()
+        self.packing = True
+        self._packed = (_weight_identity(self.weight), weight,
+                        torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_ROWS))
 
     def unpack(self) -> None:
         """Drop the packed copy: every input is then computed by `linear`."""
-        self._packed = None
+        self.packing, self._packed = False, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, rows = self.weight, x.numel() // x.shape[-1]
-        if (self._packed is None or rows < _MIN_PACKED_ROWS or x.device.type != "cpu"
+        if (not self.packing or rows < _MIN_PACKED_ROWS or x.device.type != "cpu"
                 or not x.dtype == weight.dtype == torch.float32
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward
             return linear(x, weight)
-        if self._packed[0] != _weight_identity(weight):  # replaced or changed in place since packing
+        if self._packed is None or self._packed[0] != _weight_identity(weight):  # new, replaced or changed
             self.pack()
-        return torch.ops.mkl._mkl_linear(x, self._packed[1], weight, None, rows)
+        # The last argument must equal the input's row count, else torch's op falls back to an
+        # unpacked matmul. MKL's buffer records its own layout and serves any row count (the
+        # hint only picks the kernels); the tests compare it with F.linear at 4 to 65 rows.
+        return torch.ops.mkl._mkl_linear(x, self._packed[2], weight, None, rows)
+
+    def __getstate__(self) -> dict:
+        # MKL's buffer can be neither copied nor pickled (nor moved): copies pack their own.
+        return {**super().__getstate__(), "_packed": None}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.packing = self.packing and mkl_packing_available()  # unpickled where torch has no MKL
 
 
 class RMSNorm(nn.Module):
@@ -413,22 +436,29 @@ class Llama(nn.Module):
         """Keep a copy of every matmul weight (projections and LM head) in MKL's packed GEMM layout,
         for CPU float32 inference; ``enable=False`` drops the copies. Returns the model.
 
-        Unpacked, MKL repacks a weight on each call to fit its kernels; packed once, a forward's
-        matmuls read it as it is: on SmolLM2-135M's weights with 2 threads, 1.3 x faster at 4, 5
-        and 8 rows (decoding batches, verifying drafts), 1.1-1.6 x at 40 to 102, within 5% at 816
-        (``benchmarks/test_bench_model.py::test_matmuls``); 1 to 3 rows keep the unpacked path,
-        which is faster there. The copies double the memory of those weights. Forwards on other devices or dtypes, or with autograd, are unchanged. A weight
-        replaced or changed in place afterwards is packed again at its next use (a change made
-        through ``.data``, or in place to a weight created under ``torch.inference_mode``, is not
-        seen: call this method again). Drafts made by `truncated` share the copies.
+        A GEMM copies panels of its weight into its kernels' layout on every call; packed once,
+        the weight is read as it lies. On SmolLM2-135M's weights (2 threads), a forward's
+        matmuls ran 1.3 x faster at 4, 5 and 8 rows (decoding batches, verifying drafts) and
+        1.1-1.6 x at 40 to 102 rows than the best unpacked form, and 5% slower at 816
+        (``SPECDEC_BENCH_THREADS=2 python -m pytest benchmarks/test_bench_model.py -k matmuls``).
+        1 to 3 rows keep the unpacked path, which is faster there. The copies add about one more
+        copy of those weights to the resident memory (MKL reserves more address space than it
+        touches). MKL packs for the current number of torch threads: call this method again
+        after changing it. Forwards on other devices or dtypes, or with autograd, are
+        unchanged. A weight replaced or changed in place afterwards is packed again at its next
+        use (a change made through ``.data``, or in place to a weight created under
+        ``torch.inference_mode``, is not seen: call this method again). Drafts made by
+        `truncated` share the copies. Nothing is packed if any weight cannot be.
 
         Raises:
             ValueError: a weight is not a CPU float32 tensor.
             RuntimeError: this torch build has no MKL (`mkl_packing_available`).
         """
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack() if enable else module.unpack()
+        layers = [module for module in self.modules() if isinstance(module, Linear)]
+        for layer in layers if enable else ():
+            layer.check_packable()
+        for layer in layers:
+            layer.pack() if enable else layer.unpack()
         return self
 
     # ----------------------------------------------------------------- loading Hugging Face weights

@@ -263,10 +263,30 @@ needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="this torch b
 
 
 def mkl_linear_calls(fn) -> int:
-    """How many MKL packed GEMMs ``fn()`` runs."""
+    """How many MKL packed GEMMs ``fn()`` runs; none of them may fall back to an unpacked matmul
+    (torch's op does so inside when not told the input's row count)."""
     with torch.profiler.profile() as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key == "mkl::_mkl_linear")
+    counts = {e.key: e.count for e in prof.key_averages()}
+    packed = counts.get("mkl::_mkl_linear", 0)
+    if packed:
+        assert not counts.get("aten::linear") and not counts.get("aten::mm"), counts
+    return packed
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 40, 63, 64, 65, 130])
+def test_packed_linear_matches_f_linear_at_every_row_count(rows):
+    # Packed for 64 rows (`_PACK_ROWS`), MKL's buffer serves any row count.
+    gen = torch.Generator().manual_seed(rows)
+    layer = Linear(24, 40).requires_grad_(False)
+    layer.weight.copy_(torch.randn(40, 24, generator=gen))
+    layer.pack()
+    x = torch.randn(rows, 1, 24, generator=gen)
+    assert mkl_linear_calls(lambda: layer(x)) == (1 if rows >= 4 else 0)
+    out = layer(x)
+    assert out.shape == (rows, 1, 40)
+    torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
 @needs_mkl
@@ -310,6 +330,41 @@ def test_packed_weights_follow_weight_changes_and_stay_out_of_the_state_dict():
 
 
 @needs_mkl
+def test_copies_of_a_packed_model_pack_their_own_weights():
+    import copy
+    import io
+
+    model = tiny_llama(seed=4).pack_weights()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # MKL's buffer itself cannot be pickled or copied
+    buffer.seek(0)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = model(ids, model.new_cache(2, 5))
+        for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+            assert twin.output.packing
+            assert mkl_linear_calls(lambda: twin(ids, twin.new_cache(2, 5))) == 9
+            assert torch.equal(twin(ids, twin.new_cache(2, 5)), expected)
+
+
+@needs_mkl
+def test_a_packed_model_unpickled_without_mkl_runs_unpacked(monkeypatch):
+    import io
+
+    import specdec_kernels.model
+
+    buffer = io.BytesIO()
+    torch.save(tiny_llama().pack_weights(), buffer)
+    buffer.seek(0)
+    monkeypatch.setattr(specdec_kernels.model, "mkl_packing_available", lambda: False)
+    model = torch.load(buffer, weights_only=False)
+    assert not model.output.packing
+    ids = torch.randint(0, 97, (2, 5))
+    with torch.inference_mode():
+        assert mkl_linear_calls(lambda: model(ids, model.new_cache(2, 5))) == 0
+
+
+@needs_mkl
 def test_packed_weights_keep_autograd_and_other_dtypes_on_the_plain_path():
     layer = Linear(64, 32)
     layer.pack()
@@ -318,12 +373,23 @@ def test_packed_weights_keep_autograd_and_other_dtypes_on_the_plain_path():
     out.sum().backward()
     torch.testing.assert_close(x.grad, layer.weight.detach().sum(0).expand(6, 64))
     assert layer.weight.grad is not None
+    layer.requires_grad_(False)  # nothing needs a gradient: packed even in grad mode
+    assert mkl_linear_calls(lambda: layer(x.detach())) == 1
+    layer.requires_grad_(True)
     with torch.inference_mode():
+        made_here = Linear(64, 32)  # an inference tensor has no version counter
+        made_here.pack()
+        torch.testing.assert_close(made_here(x), F.linear(x, made_here.weight), rtol=1e-5, atol=1e-5)
         half = Linear(64, 32).to(torch.bfloat16)
         with pytest.raises(ValueError, match="CPU float32 weight"):
             half.pack()
         with pytest.raises(ValueError, match="CPU float32 weight"):
             tiny_llama().to(torch.float16).pack_weights()
+        model = tiny_llama()
+        model.output.to(torch.float16)
+        with pytest.raises(ValueError, match="CPU float32 weight"):
+            model.pack_weights()
+        assert not any(isinstance(m, Linear) and m.packing for m in model.modules())  # all or nothing
         layer = layer.to(torch.float64)  # a packed layer cast afterwards runs unpacked
         assert mkl_linear_calls(lambda: layer(x.detach().double())) == 0
 
