@@ -164,7 +164,7 @@ class Linear(nn.Linear):
             self.pack()
         # The last argument must equal the input's row count, else torch's op falls back to an
         # unpacked matmul. MKL's buffer records its own layout and serves any row count (the
-        # hint only picks the kernels); the tests compare it with F.linear at 4 to 65 rows.
+        # hint only picks the kernels); the tests compare it with F.linear at 4 to 130 rows.
         return torch.ops.mkl._mkl_linear(x, self._packed[2], weight, None, rows)
 
     def __getstate__(self) -> dict:
