@@ -343,7 +343,7 @@ def test_copies_of_a_packed_model_pack_their_own_weights():
         expected = model(ids, model.new_cache(2, 5))
         for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
             assert twin.output.packing
-            assert mkl_linear_calls(lambda: twin(ids, twin.new_cache(2, 5))) == 9
+            assert mkl_linear_calls(lambda twin=twin: twin(ids, twin.new_cache(2, 5))) == 9
             assert torch.equal(twin(ids, twin.new_cache(2, 5)), expected)
 
 
