@@ -90,9 +90,12 @@ def test_cache_append_launches_are_the_registered_specializations(monkeypatch):
 
 def test_sampling_launches_are_the_registered_specializations(monkeypatch):
     """Every sampler launch (probabilities, logits with and without filters, thresholds, first
-    rejection), with and without a draft, ragged counts, per-row greedy flags, temperatures and
-    every kind of seed, is a registered spec, and every registered spec is launched."""
+    rejection), with and without a draft, ragged counts, per-row greedy flags, temperatures,
+    every kind of seed and explicit noise, is a registered spec, and every registered spec is
+    launched."""
     from specdec_kernels.kernels import sampling as kernels
+
+    from specdec_kernels import make_rejection_noise
 
     recorder = LaunchRecorder(monkeypatch, kernels, "_rejection_sample_kernel", "_rejection_sample_logits_kernel",
                               "_logit_thresholds_kernel", "_first_rejection_kernel")
@@ -108,5 +111,8 @@ def test_sampling_launches_are_the_registered_specializations(monkeypatch):
                 for temperature, top_k, top_p in ((0.7, None, None), (torch.tensor([0.0, 1.5]), 5, 0.9)):
                     kernels.rejection_sample_logits_triton(target, draft, ids, n, greedy, temperature, top_k, top_p,
                                                            seed=seed)
+            noise = make_rejection_noise(B, K, V, seed=0)  # explicit noise in place of the RNG
+            kernels.rejection_sample_triton(target, draft, ids, None, False, noise=noise)
+            kernels.rejection_sample_logits_triton(target, draft, ids, None, False, 0.7, 5, 0.9, noise=noise)
     kernels.first_rejection_index_triton(torch.zeros(B, K, dtype=torch.bool), torch.tensor([3, 1]))
     assert assert_all_registered(recorder.launches) == _registered("sampling.")
