@@ -5,7 +5,8 @@
   what `specdec_kernels.model.linear` does on the CPU for 4 to 63 rows) and as ``F.linear``
   (``x @ weight^T``, what it does for 1 to 3 rows and for 64 or more: 102 and 816 rows are the
   generation benchmark's batch-1 and batch-8 prompts, padded), and by MKL's packed GEMM from
-  weights packed once (``mkl_packed``: `Linear` after ``Llama.pack_weights()``).
+  weights packed once (``mkl_packed``, at every row count: what `Linear` runs from 4 rows on
+  after ``Llama.pack_weights()``).
 - ``test_rms_norm``: ``F.rms_norm`` (what `RMSNorm` runs in fp32; a composite of about ten ops
   on the CPU) against Hugging Face's LlamaRMSNorm ops spelled out (``pow``, ``mean``, ``add``,
   ``rsqrt``, two ``mul``), at 1 and 8 rows (decoding) and 816 (a batch-8 prefill of 102 tokens).
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.timing import bench
 from specdec_kernels import Llama, LlamaConfig
-from specdec_kernels.model import Linear, mkl_packing_available
+from specdec_kernels.model import MKL_PACK_ROWS, mkl_packing_available
 
 pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -51,36 +52,26 @@ def weights():
     return smollm2_weights()
 
 
-@pytest.fixture(scope="module")
-def linear_layers(weights):
-    """The same weights as `Linear` modules (packed by the test: MKL packs for the thread count)."""
-    if not mkl_packing_available():
-        pytest.skip("this torch build has no MKL")
-    layers = []
-    for w in weights:
-        layer = Linear(w.shape[1], w.shape[0]).requires_grad_(False)
-        layer.weight.copy_(w)
-        layers.append(layer)
-    return layers
-
-
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 40, 64, 102, 816])
 @pytest.mark.parametrize("impl", ["weight_first", "F.linear", "mkl_packed"])
-def test_matmuls(benchmark, request, weights, impl, rows):
+def test_matmuls(benchmark, weights, impl, rows):
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     weight_first = lambda x, w: torch.mm(w, x.t()).t()
     # Same product, summed in another order (entries are sums of 576 unit-variance terms, ~24).
     torch.testing.assert_close(weight_first(inputs[576], weights[0]), F.linear(inputs[576], weights[0]),
                                rtol=1e-5, atol=1e-4)
-    if impl == "mkl_packed":
-        layers = request.getfixturevalue("linear_layers")
-        for layer in layers:  # under the benchmark's thread count (`Llama.pack_weights`)
-            layer.pack()
-        torch.testing.assert_close(layers[0](inputs[576]), F.linear(inputs[576], weights[0]), rtol=1e-5, atol=1e-4)
+    if impl == "mkl_packed":  # the packed GEMM itself at every row count (`Linear` uses it from 4 rows)
+        if not mkl_packing_available():
+            pytest.skip("this torch build has no MKL")
+        # Packed here, under the benchmark's thread count (MKL packs for it), as `Linear.pack` does.
+        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS) for w in weights]
+        matmul = lambda x, w, p: torch.ops.mkl._mkl_linear(x, p, w, None, rows)
+        torch.testing.assert_close(matmul(inputs[576], weights[0], packed[0]), F.linear(inputs[576], weights[0]),
+                                   rtol=1e-5, atol=1e-4)
 
         def one_pass():
-            for layer in layers:
-                layer(inputs[layer.in_features])
+            for w, p in zip(weights, packed, strict=True):
+                matmul(inputs[w.shape[1]], w, p)
     else:
         matmul = weight_first if impl == "weight_first" else F.linear
 

@@ -103,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # rows and within 5% at 816 (benchmarks/test_bench_model.py::test_matmuls); packed for 8 rows,
 # 1.4-1.7 x slower from 40 rows up (a scratch script, 2026-11-22). Below 4 rows MKL's unpacked
 # one-row kernels were 1.1-1.25 x faster than the packed GEMM.
-_PACK_ROWS = 64
+MKL_PACK_ROWS = 64
 _MIN_PACKED_ROWS = 4
 
 
@@ -122,9 +122,9 @@ def _weight_identity(weight: torch.Tensor) -> tuple:
 class Linear(nn.Linear):
     """``nn.Linear`` without bias, computed by `linear`; or, after `pack`, by MKL's packed GEMM
     from a copy of the weight in MKL's layout, for CPU float32 inputs of 4 rows or more without
-    autograd. The copy is not a parameter or buffer (``state_dict`` and ``.to()`` ignore it); it
-    is made again from the weight whenever the weight has changed, and copies of the module
-    (``copy.deepcopy``, pickling) make their own at first use."""
+    autograd. The copy is not a parameter or buffer (``state_dict`` ignores it; ``.to()`` and
+    the like drop it); it is made again from the weight at the first use after the weight has
+    changed, and copies of the module (``copy.deepcopy``, pickling) make their own."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
@@ -148,16 +148,17 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         self.packing = True
         self._packed = (_weight_identity(self.weight), weight,
-                        torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_ROWS))
+                        torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS))
 
     def unpack(self) -> None:
         """Drop the packed copy: every input is then computed by `linear`."""
         self.packing, self._packed = False, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, rows = self.weight, x.numel() // x.shape[-1]
+        weight, rows = self.weight, x.numel() // max(x.shape[-1], 1)
         if (not self.packing or rows < _MIN_PACKED_ROWS or x.device.type != "cpu"
                 or not x.dtype == weight.dtype == torch.float32
+                or x.shape[-1] != weight.shape[1]  # MKL's op does not check it: let F.linear raise
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward
             return linear(x, weight)
         if self._packed is None or self._packed[0] != _weight_identity(weight):  # new, replaced or changed
@@ -166,6 +167,11 @@ class Linear(nn.Linear):
         # unpacked matmul. MKL's buffer records its own layout and serves any row count (the
         # hint only picks the kernels); the tests compare it with F.linear at 4 to 130 rows.
         return torch.ops.mkl._mkl_linear(x, self._packed[2], weight, None, rows)
+
+    def _apply(self, fn, recurse=True):
+        # ``.to()``, ``.cuda()``, ``.half()``...: the copy would pin the old weight; pack anew at next use.
+        self._packed = None
+        return super()._apply(fn, recurse)
 
     def __getstate__(self) -> dict:
         # MKL's buffer can be neither copied nor pickled (nor moved): copies pack their own.
@@ -443,21 +449,26 @@ class Llama(nn.Module):
         (``SPECDEC_BENCH_THREADS=2 python -m pytest benchmarks/test_bench_model.py -k matmuls``).
         1 to 3 rows keep the unpacked path, which is faster there. The copies add about one more
         copy of those weights to the resident memory (MKL reserves more address space than it
-        touches). MKL packs for the current number of torch threads: call this method again
-        after changing it. Forwards on other devices or dtypes, or with autograd, are
-        unchanged. A weight replaced or changed in place afterwards is packed again at its next
-        use (a change made through ``.data``, or in place to a weight created under
-        ``torch.inference_mode``, is not seen: call this method again). Drafts made by
-        `truncated` share the copies. Nothing is packed if any weight cannot be.
+        touches). MKL packs for the current number of torch threads (for its speed; results do
+        not depend on it): call this method again after changing it. Forwards on other devices
+        or dtypes, or with autograd, are unchanged. A weight replaced or changed in place
+        afterwards is packed again at its next use (a change made through ``.data``, or in place
+        to a weight created under ``torch.inference_mode``, is not seen: call this method
+        again); ``.to()`` drops the copies, which are made again at the next CPU float32 use.
+        Drafts made by `truncated` share the layers and so the copies (``pack_weights(False)``
+        on a draft unpacks them for the target too). Nothing is packed if any weight cannot be.
 
         Raises:
             ValueError: a weight is not a CPU float32 tensor.
             RuntimeError: this torch build has no MKL (`mkl_packing_available`).
         """
-        layers = [module for module in self.modules() if isinstance(module, Linear)]
-        for layer in layers if enable else ():
-            layer.check_packable()
-        for layer in layers:
+        layers = {name: module for name, module in self.named_modules() if isinstance(module, Linear)}
+        for name, layer in layers.items() if enable else ():
+            try:
+                layer.check_packable()
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        for layer in layers.values():
             layer.pack() if enable else layer.unpack()
         return self
 

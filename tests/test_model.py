@@ -275,9 +275,9 @@ def mkl_linear_calls(fn) -> int:
 
 
 @needs_mkl
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 40, 63, 64, 65, 130])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 40, 63, 64, 65, 130])
 def test_packed_linear_matches_f_linear_at_every_row_count(rows):
-    # Packed for 64 rows (`_PACK_ROWS`), MKL's buffer serves any row count.
+    # Packed for 64 rows (`MKL_PACK_ROWS`), MKL's buffer serves any row count.
     gen = torch.Generator().manual_seed(rows)
     layer = Linear(24, 40).requires_grad_(False)
     layer.weight.copy_(torch.randn(40, 24, generator=gen))
@@ -327,6 +327,20 @@ def test_packed_weights_follow_weight_changes_and_stay_out_of_the_state_dict():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
         model.pack_weights(False)
         assert mkl_linear_calls(lambda: layer(x)) == 0
+
+
+@needs_mkl
+def test_packed_linear_refuses_a_wrong_input_width_and_drops_its_copy_when_moved():
+    layer = Linear(24, 40).requires_grad_(False)
+    layer.pack()
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # as F.linear says it
+        layer(torch.randn(4, 20))  # MKL's op itself would read past the input
+    layer.to(torch.float64)
+    assert layer.packing and layer._packed is None  # the float32 copy is not kept alive
+    layer.float()
+    x = torch.randn(5, 24)
+    assert mkl_linear_calls(lambda: layer(x)) == 1  # packed anew at its first use
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
 @needs_mkl
@@ -387,7 +401,7 @@ def test_packed_weights_keep_autograd_and_other_dtypes_on_the_plain_path():
             tiny_llama().to(torch.float16).pack_weights()
         model = tiny_llama()
         model.output.to(torch.float16)
-        with pytest.raises(ValueError, match="CPU float32 weight"):
+        with pytest.raises(ValueError, match="output: packing needs a CPU float32 weight"):
             model.pack_weights()
         assert not any(isinstance(m, Linear) and m.packing for m in model.modules())  # all or nothing
         layer = layer.to(torch.float64)  # a packed layer cast afterwards runs unpacked
