@@ -99,10 +99,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # MKL chooses the GEMM kernels of a packed weight from the row count given when packing. Packed
-# for 64 rows, SmolLM2-135M's weights ran faster than with the best unpacked form from 4 to 102
-# rows and within 5% at 816 (benchmarks/test_bench_model.py::test_matmuls); packed for 8 rows,
-# 1.4-1.7 x slower from 40 rows up (a scratch script, 2026-11-22). Below 4 rows MKL's unpacked
-# one-row kernels were 1.1-1.25 x faster than the packed GEMM.
+# for 64 rows, SmolLM2-135M's weights ran 1.1-1.6 x faster than with the best unpacked form from
+# 4 to 102 rows and 5% slower at 816 (benchmarks/test_bench_model.py::test_matmuls, two runs),
+# as fast at 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up (a scratch script,
+# 2026-11-22). Below 4 rows `linear` runs MKL's own one-row kernels.
 MKL_PACK_ROWS = 64
 _MIN_PACKED_ROWS = 4
 
@@ -443,13 +443,13 @@ class Llama(nn.Module):
         for CPU float32 inference; ``enable=False`` drops the copies. Returns the model.
 
         A GEMM copies panels of its weight into its kernels' layout on every call; packed once,
-        the weight is read as it lies. On SmolLM2-135M's weights (2 threads), a forward's
-        matmuls ran 1.3 x faster at 4, 5 and 8 rows (decoding batches, verifying drafts) and
-        1.1-1.6 x at 40 to 102 rows than the best unpacked form, and 5% slower at 816
-        (``SPECDEC_BENCH_THREADS=2 python -m pytest benchmarks/test_bench_model.py -k matmuls``).
-        1 to 3 rows keep the unpacked path, which is faster there. The copies add about one more
-        copy of those weights to the resident memory (MKL reserves more address space than it
-        touches). MKL packs for the current number of torch threads (for its speed; results do
+        the weight is read as it lies. On SmolLM2-135M's weights (2 threads, two runs of
+        ``SPECDEC_BENCH_THREADS=2 python -m pytest benchmarks/test_bench_model.py -k matmuls``),
+        a forward's matmuls ran 1.1-1.4 x faster than the best unpacked form at 4, 5 and 8 rows
+        (decoding batches, verifying drafts), 1.1-1.6 x at 40 to 102 rows, and 5% slower at 816.
+        At 1 to 3 rows the packed GEMM was no faster, and `linear` is kept. The copies add
+        about one more copy of those weights to the resident memory (MKL reserves more address
+        space than it touches). MKL packs for the current number of torch threads (for its speed; results do
         not depend on it): call this method again after changing it. Forwards on other devices
         or dtypes, or with autograd, are unchanged. A weight replaced or changed in place
         afterwards is packed again at its next use (a change made through ``.data``, or in place
