@@ -124,7 +124,7 @@ def run_demo(args: argparse.Namespace) -> int:
         _progress(0, 1, "loading SmolLM2-135M-Instruct")
         model, tokenizer = load_smollm2(device=args.device)
         if model.output.weight.device.type == "cpu" and mkl_packing_available():
-            model.pack_weights()  # MKL's packed GEMM: faster matmuls from 4 rows, twice the weights' memory
+            model.pack_weights()  # MKL's packed GEMM: faster matmuls from 4 rows, one more copy in memory
         _progress(1, 1, "model loaded")
     except ModelNotInstalledError as e:
         print(f"\n{e}", file=sys.stderr)

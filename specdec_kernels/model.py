@@ -101,8 +101,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # MKL chooses the GEMM kernels of a packed weight from the row count given when packing. Packed
 # for 64 rows, SmolLM2-135M's weights ran 1.1-1.6 x faster than with the best unpacked form from
 # 4 to 102 rows and 5% slower at 816 (benchmarks/test_bench_model.py::test_matmuls, two runs),
-# as fast at 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up (a scratch script,
-# 2026-11-22). Below 4 rows `linear` runs MKL's own one-row kernels.
+# as fast at 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up (a scratch
+# script, 2026-11-22). Below 4 rows `linear` runs MKL's own one-row kernels.
 MKL_PACK_ROWS = 64
 _MIN_PACKED_ROWS = 4
 
@@ -449,9 +449,9 @@ class Llama(nn.Module):
         (decoding batches, verifying drafts), 1.1-1.6 x at 40 to 102 rows, and 5% slower at 816.
         At 1 to 3 rows the packed GEMM was no faster, and `linear` is kept. The copies add
         about one more copy of those weights to the resident memory (MKL reserves more address
-        space than it touches). MKL packs for the current number of torch threads (for its speed; results do
-        not depend on it): call this method again after changing it. Forwards on other devices
-        or dtypes, or with autograd, are unchanged. A weight replaced or changed in place
+        space than it touches). MKL packs for the current number of torch threads (for its
+        speed; results do not depend on it): call this method again after changing it.
+        Forwards on other devices or dtypes, or with autograd, are unchanged. A weight replaced or changed in place
         afterwards is packed again at its next use (a change made through ``.data``, or in place
         to a weight created under ``torch.inference_mode``, is not seen: call this method
         again); ``.to()`` drops the copies, which are made again at the next CPU float32 use.
