@@ -275,18 +275,22 @@ def mkl_linear_calls(fn) -> int:
 
 
 @needs_mkl
+@pytest.mark.parametrize("features", [(24, 40), (97, 33)], ids=["24x40", "97x33"])
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 40, 63, 64, 65, 130])
-def test_packed_linear_matches_f_linear_at_every_row_count(rows):
+def test_packed_linear_matches_f_linear_at_every_row_count(rows, features):
     # Packed for 64 rows (`MKL_PACK_ROWS`), MKL's buffer serves any row count.
     gen = torch.Generator().manual_seed(rows)
-    layer = Linear(24, 40).requires_grad_(False)
-    layer.weight.copy_(torch.randn(40, 24, generator=gen))
+    n_in, n_out = features
+    layer = Linear(n_in, n_out).requires_grad_(False)
+    layer.weight.copy_(torch.randn(n_out, n_in, generator=gen))
     layer.pack()
-    x = torch.randn(rows, 1, 24, generator=gen)
+    x = torch.randn(rows, 1, n_in, generator=gen)
     assert mkl_linear_calls(lambda: layer(x)) == (1 if rows >= 4 else 0)
     out = layer(x)
-    assert out.shape == (rows, 1, 40)
+    assert out.shape == (rows, 1, n_out)
     torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(rows, 2 * n_in, generator=gen)[:, ::2]  # not contiguous
+    torch.testing.assert_close(layer(strided), F.linear(strided, layer.weight), rtol=1e-5, atol=1e-5)
 
 
 @needs_mkl
