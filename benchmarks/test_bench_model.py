@@ -12,7 +12,8 @@
   ``rsqrt``, two ``mul``), at 1 and 8 rows (decoding) and 816 (a batch-8 prefill of 102 tokens).
 - ``test_decode_step``: one decode step (B = 1 or 8, T = 1, 80 tokens cached) of a random-weight
   model with SmolLM2-135M's config, in a cache of 160 or 2048 positions, the latter also with
-  ``max_seqlen`` (what the generation loops pass: attention then reads 81 positions, not 2048);
+  ``max_seqlen`` (what the generation loops pass: attention then reads 81 positions, not 2048),
+  with the weights as loaded and packed (``Llama.pack_weights``);
   ``extra_info["aten_ops"]`` counts the ATen ops it dispatches (``torch.profiler``).
 
 Random weights: the shapes, not the values, set the cost, and nothing needs downloading.
@@ -101,13 +102,18 @@ def test_rms_norm(benchmark, impl, rows):
     bench(benchmark, fused if impl == "F.rms_norm" else hf_ops, rounds=200)
 
 
+@pytest.mark.parametrize("weights", ["unpacked", "packed"])
 @pytest.mark.parametrize("capacity, bounded", [(160, False), (2048, False), (2048, True)],
                          ids=["capacity160", "capacity2048", "capacity2048-max_seqlen"])
 @pytest.mark.parametrize("batch", [1, 8])
 @torch.inference_mode()
-def test_decode_step(benchmark, batch, capacity, bounded):
+def test_decode_step(benchmark, batch, capacity, bounded, weights):
     torch.manual_seed(0)
     model = Llama(SMOLLM2).eval()
+    if weights == "packed":
+        if not mkl_packing_available():
+            pytest.skip("this torch build has no MKL")
+        model.pack_weights()  # under the benchmark's thread count
     cache = model.new_cache(batch, capacity)
     max_seqlen = 81 if bounded else None
     model(torch.randint(0, SMOLLM2.vocab_size, (batch, 80)), cache, max_seqlen=max_seqlen and 80)
@@ -120,7 +126,7 @@ def test_decode_step(benchmark, batch, capacity, bounded):
     step()
     with torch.profiler.profile() as prof:
         step()
-    benchmark.group = f"decode step B={batch}"
+    benchmark.group = f"decode step B={batch} {capacity}{' max_seqlen' if bounded else ''}"
     benchmark.extra_info["aten_ops"] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
     benchmark.extra_info["torch_threads"] = torch.get_num_threads()
     bench(benchmark, step, rounds=10)
