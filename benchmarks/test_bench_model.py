@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from benchmarks.timing import bench
 from specdec_kernels import Llama, LlamaConfig
-from specdec_kernels.model import MKL_PACK_ROWS, mkl_packing_available
+from specdec_kernels.model import mkl_pack, mkl_packed_linear, mkl_packing_available
 
 pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -67,14 +67,13 @@ def test_matmuls(benchmark, weights, impl, rows):
         if not mkl_packing_available():
             pytest.skip("this torch build has no MKL")
         # Packed here, under the benchmark's thread count (MKL packs for it), as `Linear.pack` does.
-        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS) for w in weights]
-        matmul = lambda x, w, p: torch.ops.mkl._mkl_linear(x, p, w, None, rows)
-        torch.testing.assert_close(matmul(inputs[576], weights[0], packed[0]), F.linear(inputs[576], weights[0]),
-                                   rtol=1e-5, atol=1e-4)
+        packed = [mkl_pack(w) for w in weights]
+        torch.testing.assert_close(mkl_packed_linear(inputs[576], packed[0], weights[0]),
+                                   F.linear(inputs[576], weights[0]), rtol=1e-5, atol=1e-4)
 
         def one_pass():
             for w, p in zip(weights, packed, strict=True):
-                matmul(inputs[w.shape[1]], w, p)
+                mkl_packed_linear(inputs[w.shape[1]], p, w)
     else:
         matmul = weight_first if impl == "weight_first" else F.linear
 

@@ -103,13 +103,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # 4 to 102 rows and 5% slower at 816 (benchmarks/test_bench_model.py::test_matmuls, two runs),
 # as fast at 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up (a scratch
 # script, 2026-11-22). Below 4 rows `linear` runs MKL's own one-row kernels.
-MKL_PACK_ROWS = 64
+_PACK_ROWS = 64
 _MIN_PACKED_ROWS = 4
 
 
 def mkl_packing_available() -> bool:
     """Whether this torch build has MKL's packed GEMM (`Llama.pack_weights`): x86 CPU builds do."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def mkl_pack(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed GEMM buffer of a CPU float32 ``weight`` [out, in] (an opaque tensor that can
+    be neither copied nor pickled), packed for the current number of torch threads."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_ROWS)
+
+
+def mkl_packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` from ``packed = mkl_pack(weight)``, for CPU float32 ``x`` [..., in]; the
+    input width is not checked (MKL would read past ``x``)."""
+    # The last argument must equal the input's row count, else torch's op falls back to an
+    # unpacked matmul. MKL's buffer records its own layout and serves any row count (the hint
+    # only picks the kernels); the tests compare it with F.linear at 4 to 130 rows.
+    return torch.ops.mkl._mkl_linear(x, packed, weight, None, x.numel() // x.shape[-1])
 
 
 def _weight_identity(weight: torch.Tensor) -> tuple:
@@ -145,10 +160,8 @@ class Linear(nn.Linear):
     def pack(self) -> None:
         """Use MKL's packed GEMM from now on (see `Llama.pack_weights`)."""
         self.check_packable()
-        weight = self.weight.detach()
         self.packing = True
-        self._packed = (_weight_identity(self.weight), weight,
-                        torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS))
+        self._packed = (_weight_identity(self.weight), self.weight.detach(), mkl_pack(self.weight))
 
     def unpack(self) -> None:
         """Drop the packed copy: every input is then computed by `linear`."""
@@ -163,10 +176,7 @@ class Linear(nn.Linear):
             return linear(x, weight)
         if self._packed is None or self._packed[0] != _weight_identity(weight):  # new, replaced or changed
             self.pack()
-        # The last argument must equal the input's row count, else torch's op falls back to an
-        # unpacked matmul. MKL's buffer records its own layout and serves any row count (the
-        # hint only picks the kernels); the tests compare it with F.linear at 4 to 130 rows.
-        return torch.ops.mkl._mkl_linear(x, self._packed[2], weight, None, rows)
+        return mkl_packed_linear(x, self._packed[2], weight)
 
     def _apply(self, fn, recurse=True):
         # ``.to()``, ``.cuda()``, ``.half()``...: the copy would pin the old weight; pack anew at next use.

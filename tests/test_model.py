@@ -278,7 +278,7 @@ def mkl_linear_calls(fn) -> int:
 @pytest.mark.parametrize("features", [(24, 40), (97, 33)], ids=["24x40", "97x33"])
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 8, 40, 63, 64, 65, 130])
 def test_packed_linear_matches_f_linear_at_every_row_count(rows, features):
-    # Packed for 64 rows (`MKL_PACK_ROWS`), MKL's buffer serves any row count.
+    # Packed for 64 rows (`_PACK_ROWS`), MKL's buffer serves any row count.
     gen = torch.Generator().manual_seed(rows)
     n_in, n_out = features
     layer = Linear(n_in, n_out).requires_grad_(False)
