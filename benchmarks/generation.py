@@ -1,5 +1,6 @@
 """Generation benchmarks on SmolLM2-135M-Instruct (fp32, CPU by default), shared by the pytest
-benchmarks (`test_bench_generation.py`) and the table script (`python -m benchmarks.generation`).
+benchmarks (`test_bench_generation.py`) and the table script (`python -m benchmarks.generation`;
+``--device cuda --dtype bfloat16`` runs both sides on a GPU in that dtype).
 
 Compared side by side in one run, greedy, same weights, same prompts:
 
@@ -49,20 +50,21 @@ class Setup:
     tokenizer: object
 
 
-def load_setup(pack: bool = True) -> Setup:
-    """SmolLM2 as our model and as transformers models on the same converted weights. ``pack``:
-    our model's matmul weights in MKL's packed layout (`Llama.pack_weights`), where torch has MKL."""
+def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Setup:
+    """SmolLM2 as our model and as transformers models on the same converted weights, on ``device``
+    in ``dtype``. ``pack``: our model's matmul weights in MKL's packed layout (`Llama.pack_weights`),
+    where that applies (CPU float32, torch with MKL)."""
     from transformers import LlamaForCausalLM
 
     from specdec_kernels.model import mkl_packing_available
     from specdec_kernels.pretrained import load_smollm2, smollm2_folder
 
-    model, tokenizer = load_smollm2()
-    if pack and mkl_packing_available():
+    model, tokenizer = load_smollm2(dtype=dtype, device=device)
+    if pack and torch.device(device).type == "cpu" and dtype == torch.float32 and mkl_packing_available():
         model.pack_weights()
     folder = smollm2_folder()
-    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    hf_draft = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, num_hidden_layers=DRAFT_LAYERS).eval()
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    hf_draft = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, num_hidden_layers=DRAFT_LAYERS).to(device).eval()
     for m in (hf, hf_draft):  # run to max_new_tokens, like ours with eos_token_id=None
         m.generation_config.eos_token_id = None
         m.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -75,7 +77,8 @@ def encode(setup: Setup, batch_size: int):
              for i in range(batch_size)]
     setup.tokenizer.padding_side = "left"
     enc = setup.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return enc.input_ids, enc.attention_mask
+    device = setup.model.output.weight.device
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
 def run_ours(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4):
@@ -122,13 +125,15 @@ def predicted_speedup(a: float, k: int, c: float, v: float) -> float:
     return (1 - a ** (k + 1)) / ((1 - a) * (k * c + v))
 
 
-def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True) -> str:
+def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
+          device: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
     """Run every comparison ``repeats`` times (interleaved, so load changes hit every method alike)
     and return a markdown table of medians plus the machine line."""
     from benchmarks.timing import machine_line
 
     torch.manual_seed(0)
-    setup = load_setup(pack)
+    setup = load_setup(pack, device, dtype)
+    cuda = torch.device(device).type == "cuda"
     packed = setup.model.output.packing
     rows = []
     for B in batch_sizes:
@@ -144,6 +149,8 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
             for name, fn, draft in methods:
                 t0 = time.perf_counter()
                 out = fn(setup, B, max_new_tokens, draft, k)
+                if cuda:  # the host may be ahead of the GPU
+                    torch.cuda.synchronize(device)
                 seconds = time.perf_counter() - t0
                 tokens = out if isinstance(out, int) else int(out.stats.num_generated.sum())
                 runs[name].append((tokens / seconds, out))
@@ -167,7 +174,8 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
                         f"{quantities} | {eff} |")
     header = ("| batch | method | tokens/s | vs ours generate | vs HF generate | acceptance | "
               "measured c, v, decoding-phase speedup | efficiency |\n|---|---|---|---|---|---|---|---|")
-    return (f"SmolLM2-135M-Instruct fp32, greedy, {max_new_tokens} new tokens per row, K = {k}, "
+    return (f"SmolLM2-135M-Instruct {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+            f"{max_new_tokens} new tokens per row, K = {k}, "
             f"median of {repeats} interleaved runs, our weights {'MKL-packed' if packed else 'unpacked'}\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
@@ -180,5 +188,8 @@ if __name__ == "__main__":
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-pack", action="store_true", help="leave our model's weights unpacked")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
-    print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack))
+    print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
+                device=args.device, dtype=getattr(torch, args.dtype)))

@@ -33,12 +33,13 @@ pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
 SHAPES = [pytest.param(B, T, L, id=f"B{B}-T{T}-L{L}") for L in (512, 4096) for B in (1, 8) for T in (1, 5)]
 
 
-def make_case(B, T, L, device="cpu", dtype=torch.float32, layout="token_major"):
+def make_case(B, T, L, device="cpu", dtype=torch.float32, layout="token_major", heads=(HQ, HKV, D)):
     gen = torch.Generator().manual_seed(0)
     Lmax = L + 64
-    q = torch.randn(B, T, HQ, D, generator=gen).to(device, dtype)
-    k = torch.randn(B, Lmax, HKV, D, generator=gen).to(device, dtype)
-    v = torch.randn(B, Lmax, HKV, D, generator=gen).to(device, dtype)
+    hq, hkv, d = heads
+    q = torch.randn(B, T, hq, d, generator=gen).to(device, dtype)
+    k = torch.randn(B, Lmax, hkv, d, generator=gen).to(device, dtype)
+    v = torch.randn(B, Lmax, hkv, d, generator=gen).to(device, dtype)
     if layout == "head_major":
         k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
     cache_seqlens = torch.randint(L - 32, L + 32, (B,), generator=gen).to(device)
@@ -78,14 +79,28 @@ def test_cpu(benchmark, impl, B, T, L, layout):
     bench(benchmark, calls[impl], rounds=50)
 
 
+# On a GPU, SmolLM2's shapes are launch-bound; a Llama-3-8B-like layer (Hq = 32, Hkv = 8, D = 128)
+# with a batch of 32 moves enough bytes (about 0.5 GB per call at 4096 keys) to measure bandwidth.
+CUDA_SHAPES = ([pytest.param(B, T, L, (HQ, HKV, D), id=f"B{B}-T{T}-L{L}") for L in (512, 4096) for B in (1, 8)
+                for T in (1, 5)]
+               + [pytest.param(32, T, L, (32, 8, 128), id=f"B32-T{T}-L{L}-llama8b") for L in (4096, 16384)
+                  for T in (1, 5)])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
-@pytest.mark.parametrize("B,T,L", SHAPES)
+@pytest.mark.parametrize("B,T,L,heads", CUDA_SHAPES)
 @pytest.mark.parametrize("impl", ["ragged_attention", "sdpa"])
-def test_cuda(benchmark, impl, B, T, L, dtype):
-    q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L, "cuda", dtype)
+def test_cuda(benchmark, impl, B, T, L, heads, dtype):
+    """CUDA-event medians in ``extra_info``, with the bandwidth they imply: the fewest bytes a call
+    must move (each row's valid keys and values read once, q read and the output written once)."""
+    q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L, "cuda", dtype, heads=heads)
     ours = lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="triton")
     torch.testing.assert_close(ours(), sdpa_baseline(q, k, v, mask), rtol=2e-3, atol=2e-3)
-    benchmark.group = f"cuda B{B}-T{T}-L{L}"
+    benchmark.group = f"cuda B{B}-T{T}-L{L}-Hq{heads[0]}-Hkv{heads[1]}-D{heads[2]}"
     baseline = lambda: sdpa_baseline(q, k, v, mask)
     bench(benchmark, ours if impl == "ragged_attention" else baseline, cuda=True)
+    hq, hkv, d = heads
+    min_bytes = (2 * int(cache_seqlens.sum()) * hkv + 2 * B * T * hq) * d * k.element_size()
+    benchmark.extra_info["min_bytes"] = min_bytes
+    benchmark.extra_info["GB_per_s"] = min_bytes / benchmark.extra_info["cuda_event_median_ms"] / 1e6

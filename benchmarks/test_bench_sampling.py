@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks.timing import bench
-from specdec_kernels import rejection_sample
+from specdec_kernels import rejection_sample, rejection_sample_logits
 
 V = 49152
 K = 4
@@ -94,17 +94,35 @@ def test_rejection_sample_cpu(benchmark, B, impl):
 
 
 @pytest.mark.parametrize("B", [1, 16, 64])
-@pytest.mark.parametrize("impl", ["triton", "torch", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "torch", "hf_per_row", "reference"])
 def test_rejection_sample_cuda(benchmark, cuda_available, B, impl):
     if not cuda_available:
         pytest.skip("needs CUDA")
     p, q, ids = make_inputs(B, "cuda")
     benchmark.group = f"rejection_sample CUDA B={B} K={K} V={V} fp32"
     benchmark.extra_info.update(B=B, K=K, V=V, impl=impl)
+    if impl == "hf_per_row":
+        fn = lambda: hf_per_row(p, q, ids)
+    else:
+        gen = torch.Generator("cuda").manual_seed(1)
+        fn = lambda: rejection_sample(p, q, ids, generator=gen, validate=False, backend=impl)
+    bench(benchmark, fn, cuda=True, rounds=5 if impl == "reference" else 20)
+
+
+@pytest.mark.parametrize("B", [1, 16, 64])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_rejection_sample_logits_cuda(benchmark, cuda_available, B, impl):
+    """From logits, temperature 0.8 and top-p 0.9 on both models: the Triton path fuses the
+    softmax into the sampler; the torch path materializes both probability tensors first."""
+    if not cuda_available:
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(B, K + 1, V, generator=g) * 4
+    target = (base + 0.5 * torch.randn(B, K + 1, V, generator=g)).cuda()
+    draft = (base[:, :K] + 0.5 * torch.randn(B, K, V, generator=g)).cuda()
+    ids = torch.multinomial(torch.softmax(draft / 0.8, -1).reshape(-1, V), 1).reshape(B, K)
+    benchmark.group = f"rejection_sample_logits CUDA B={B} K={K} V={V} fp32, T=0.8, top-p 0.9"
+    benchmark.extra_info.update(B=B, K=K, V=V, impl=impl)
     gen = torch.Generator("cuda").manual_seed(1)
-    bench(
-        benchmark,
-        lambda: rejection_sample(p, q, ids, generator=gen, validate=False, backend=impl),
-        cuda=True,
-        rounds=5 if impl == "reference" else 20,
-    )
+    bench(benchmark, lambda: rejection_sample_logits(target, draft, ids, temperature=0.8, top_p=0.9,
+                                                     generator=gen, backend=impl), cuda=True)

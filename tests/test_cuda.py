@@ -11,19 +11,25 @@ import pytest
 import torch
 from test_attention import CASES as ATTENTION_CASES
 from test_attention import make_inputs, reference_fp32
+from test_generation import V, greedy_divergence_allowed, ragged_prompts
 from test_sampling import CASES as SAMPLER_CASES
 from test_sampling import make_case, noise_for
 
 from specdec_kernels import (
     KVCache,
+    PromptLookupDraft,
     first_rejection_index,
+    generate,
     process_logits,
     ragged_attention,
     rejection_sample,
     rejection_sample_logits,
+    speculative_generate,
 )
 from specdec_kernels.sampling import make_rejection_noise
 from specdec_kernels.testing import SyncCounter, assert_close
+
+from tiny_models import tiny_llama
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 # Top-p cases expect the reference's tokens exactly; the thresholds kernel sums top-p mass in another
@@ -125,3 +131,87 @@ def test_first_rejection_index_matches_reference():
     n = torch.randint(0, 17, (7,), generator=gen)
     expected = first_rejection_index(accepted, n, backend="reference")
     assert torch.equal(first_rejection_index(accepted.cuda(), n.cuda(), backend="triton").cpu(), expected)
+
+
+# ---- the decoding path on CUDA: the built-in model, generate and speculative_generate ----
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float().cpu() - expected.float()).norm() / expected.float().norm())
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_model_forward_on_cuda_matches_cpu(dtype, tolerance):
+    """A ragged prefill, then a ragged verification step, on CUDA (the Triton attention and cache
+    scatter) against the fp32 model on the CPU (the torch paths). Rows past q_seqlens are not compared."""
+    model = tiny_llama(seed=0, layers=3)
+    gpu = tiny_llama(seed=0, layers=3).to("cuda", dtype)
+    ids, mask = ragged_prompts(B=5, P=11, seed=1, left=False)
+    prompt_lens = mask.sum(1)
+    step = torch.randint(0, V, (5, 4), generator=torch.Generator().manual_seed(2))
+    step_lens = torch.tensor([4, 1, 3, 4, 2])
+    cpu_cache, gpu_cache = model.new_cache(5, 16), gpu.new_cache(5, 16)
+    with torch.no_grad():
+        for tokens, lengths in ((ids, prompt_lens), (step, step_lens)):
+            expected = model(tokens, cpu_cache, lengths)
+            actual = gpu(tokens.cuda(), gpu_cache, lengths.cuda())
+            assert actual.is_cuda and actual.dtype == dtype
+            valid = torch.arange(tokens.shape[1]) < lengths[:, None]
+            assert relative_error(actual.cpu()[valid], expected[valid]) < tolerance
+    assert torch.equal(gpu_cache.lengths.cpu(), prompt_lens + step_lens)
+
+
+@pytest.mark.parametrize("draft_kind", ["truncated", "prompt-lookup"])
+def test_greedy_speculative_equals_greedy_generate_on_cuda(draft_kind):
+    """Token for token on CUDA, and equal to the CPU's tokens (fp32; the same top-2 gap allowance as
+    the CPU test in `test_generation.py`)."""
+    cpu_model = tiny_llama(seed=0, scale=3.0, layers=3)
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    draft = model.truncated(1) if draft_kind == "truncated" else PromptLookupDraft()
+    input_ids, mask = ragged_prompts(seed=4)
+    plain_cpu = generate(cpu_model, input_ids, mask, max_new_tokens=24, temperature=0)
+    ids, m = input_ids.cuda(), mask.cuda()
+    plain = generate(model, ids, m, max_new_tokens=24, temperature=0)
+    spec = speculative_generate(model, draft, ids, m, num_draft_tokens=4, max_new_tokens=24, temperature=0)
+    assert plain.tokens.is_cuda and spec.tokens.is_cuda
+    allowances = 0
+    for tokens in (plain.tokens.cpu(), spec.tokens.cpu()):
+        for row in range(input_ids.shape[0]):
+            differ = (plain_cpu.tokens[row] != tokens[row]).nonzero()
+            if len(differ):
+                assert greedy_divergence_allowed(cpu_model, input_ids, mask, plain_cpu.tokens, row, int(differ[0]))
+                allowances += 1
+    assert allowances <= 1
+    assert spec.stats.num_generated.tolist() == [24] * input_ids.shape[0]
+    assert spec.stats.num_accepted.sum() > 0
+
+
+def test_sampled_speculative_decoding_on_cuda_is_seeded_and_in_vocabulary():
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    ids, mask = (t.cuda() for t in ragged_prompts(seed=6))
+    runs = [speculative_generate(model, model.truncated(1), ids, mask, num_draft_tokens=3, max_new_tokens=16,
+                                 temperature=0.8, top_k=20, top_p=0.9, seed=11) for _ in range(2)]
+    assert torch.equal(runs[0].tokens, runs[1].tokens)
+    generated = torch.cat([torch.tensor(runs[0].row_tokens(r)) for r in range(ids.shape[0])])
+    assert len(generated) == 16 * ids.shape[0] and generated.min() >= 0 and generated.max() < V
+
+
+def test_model_forward_is_sync_free_on_cuda():
+    """CUDA's own sync detector (not only `SyncCounter`'s op list): one verification forward,
+    the cache append, the attention plan and the sampler after it, with synchronizing calls made errors."""
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    cache = model.new_cache(4, 32)
+    ids, mask = ragged_prompts(B=4, seed=7, left=False)
+    with torch.no_grad():
+        model(ids.cuda(), cache, mask.sum(1).cuda())
+        step = torch.randint(0, V, (4, 5), device="cuda")
+        q_seqlens = torch.tensor([5, 2, 5, 1], device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = model(step, cache, q_seqlens)
+            out = rejection_sample_logits(logits[:, :5], logits[:, :4] * 0.9, step[:, 1:], q_seqlens - 1,
+                                          temperature=1.0, backend="triton")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert out.token_ids.is_cuda and out.num_accepted.shape == (4,)

