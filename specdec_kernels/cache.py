@@ -87,7 +87,8 @@ class KVCache:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         self.num_layers, self.batch_size, self.max_len = num_layers, batch_size, max_len
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        # The device the buffers land on: "cuda" becomes "cuda:<current>", which inputs are compared with.
+        self.dtype, self.device = dtype, torch.empty(0, device=device).device
         # Head-major storage [B, Hkv, max_len, D]: each (row, head) block of keys and values is
         # contiguous, so attention streams it instead of striding over the other heads.
         shape = (batch_size, num_kv_heads, max_len, head_dim)

@@ -48,6 +48,19 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def gguf_special_token_ids(path: Path) -> dict[str, int]:
+    """The special tokens a GGUF file names, as tokenizer attributes: ``{"eos_token": 2, ...}``.
+
+    Read from its ``tokenizer.ggml.*_token_id`` fields: transformers' GGUF loader maps them
+    differently across versions (one gave SmolLM2 no pad token and ``<|im_start|>`` as EOS)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    roles = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token", "padding": "pad_token"}
+    return {role: int(field.parts[field.data[0]][0]) for name, role in roles.items()
+            if (field := fields.get(f"tokenizer.ggml.{name}_token_id")) is not None}
+
+
 def _is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
 
@@ -105,6 +118,8 @@ def smollm2_folder() -> Path:
 
         hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        for role, token_id in gguf_special_token_ids(gguf).items():  # not every transformers version maps them
+            setattr(tokenizer, role, tokenizer.convert_ids_to_tokens(token_id))
         tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-tmp-", dir=folder))
         try:
             Llama.from_pretrained(hf_model).save_pretrained(tmp)

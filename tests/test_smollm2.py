@@ -30,6 +30,16 @@ def test_config_is_smollm2(smollm2):
             c.vocab_size) == (30, 576, 9, 3, 64, 49152)
 
 
+def test_tokenizer_special_tokens_are_the_gguf_files(smollm2):
+    """EOS ends a chat turn (<|im_end|>) and padding exists, whatever transformers' GGUF loader maps."""
+    from specdec_kernels.pretrained import gguf_special_token_ids, smollm2_gguf
+
+    tokenizer = smollm2[1]
+    expected = gguf_special_token_ids(smollm2_gguf())
+    assert {role: getattr(tokenizer, f"{role}_id") for role in expected} == expected
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
 @pytest.fixture(params=["unpacked", "packed"])
 def packing(request, smollm2):
     """Run a test on the model as loaded and with its weights MKL-packed (`Llama.pack_weights`)."""
