@@ -176,7 +176,8 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
               "measured c, v, decoding-phase speedup | efficiency |\n|---|---|---|---|---|---|---|---|")
     return (f"SmolLM2-135M-Instruct {str(dtype).removeprefix('torch.')} on {device}, greedy, "
             f"{max_new_tokens} new tokens per row, K = {k}, "
-            f"median of {repeats} interleaved runs, our weights {'MKL-packed' if packed else 'unpacked'}\n"
+            f"median of {repeats} interleaved runs, our weights {'MKL-packed' if packed else 'unpacked'}"
+            f"{', our decoding steps replayed as CUDA graphs' if cuda else ''}\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
 

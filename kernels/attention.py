@@ -227,12 +227,18 @@ def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: i
     BD = max(16, triton.next_power_of_2(head_dim))
     BN = 16 if fp32_wide or half_wide_heads else 32
     num_warps = 16 if (fp32_wide and BM >= 64) or BM >= 256 else 8
+    num_stages = 1 if dtype == torch.float32 or half_wide_heads else 2
+    if dtype != torch.float32 and BM <= 32:
+        # Decoding and short verification tiles stream K/V with little math per byte: 64 keys
+        # per step, 3 stages in flight and 4 warps reached 2.8-3.0 TB/s on an H100 (SDPA's
+        # speed at T = 1, 1.4-3.2 x faster than 32 keys, 2 stages and 8 warps on decode and
+        # T = 5 shapes; `benchmarks/RESULTS.md`).
+        BN, num_warps, num_stages = 64, 4, 3
     # The Triton interpreter (3.x) computes bf16 tl.dot wrongly; there, and only there, bf16 tiles
     # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
     dot_f32 = dtype == torch.bfloat16 and interpreter_enabled()
     return dict(BM=BM, BN=BN, BD=BD, IEEE=dtype == torch.float32, DOT_F32=dot_f32, num_warps=num_warps,
-                num_stages=1 if dtype == torch.float32 or half_wide_heads else 2,
-                options={"sched4reg": True} if half_wide_heads else {})
+                num_stages=num_stages, options={"sched4reg": True} if half_wide_heads else {})
 
 
 def min_split_keys(dtype: torch.dtype, rows: int, BN: int) -> int:

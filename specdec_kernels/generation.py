@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ._backend import check_lengths_tensor, device_check, is_int, is_real
+from .cache import KVCache
+from .cuda_graphs import GraphedForward
+from .model import Llama
 from .sampling import _check_sampling_params, rejection_sample_logits, sample_logits
 
 # --------------------------------------------------------------------------- results
@@ -248,6 +251,30 @@ def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None
     return logits.gather(1, index)[:, 0]
 
 
+def _use_cuda_graphs(cuda_graphs: bool | None, models, device: torch.device) -> bool:
+    """Whether the loop replays its decoding forwards as CUDA graphs (`GraphedForward`): by
+    default on CUDA when every model is the built-in `Llama` (whose forwards are known to be
+    capturable: no host synchronization); ``True`` asks for it with any protocol model whose
+    cache is a `KVCache`."""
+    if cuda_graphs is None:
+        return device.type == "cuda" and all(isinstance(m, Llama) for m in models)
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be None, True or False, got {type(cuda_graphs).__name__}")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs input_ids and the models on a CUDA device, got {device}")
+    return cuda_graphs
+
+
+def _graphed(model, cache, name: str, *, last_only: bool) -> GraphedForward:
+    """``model``'s forward on ``cache`` as CUDA graphs, at full capacity (``max_seqlen`` and
+    ``num_tokens`` are left out: they would change the shapes every step)."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cuda_graphs needs the {name}'s cache to be a KVCache, got {type(cache).__name__}")
+    if last_only:
+        return GraphedForward(lambda ids, q_seqlens: _last_logits(model, ids, cache, q_seqlens), cache)
+    return GraphedForward(lambda ids, q_seqlens: _forward(model, ids, cache, q_seqlens), cache)
+
+
 @dataclass
 class _Request:
     """Validated generation arguments, shared by both loops."""
@@ -431,7 +458,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None, seed: int | None = None,
-             max_cache_len: int | None = None) -> GenerationOutput:
+             max_cache_len: int | None = None, cuda_graphs: bool | None = None) -> GenerationOutput:
     """Plain autoregressive generation (the baseline speculative decoding must match).
 
     Args:
@@ -445,6 +472,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         seed: seeds a private generator (same seed, same tokens); None uses torch's global RNG.
         max_cache_len: KV-cache capacity per row (default and least: longest prompt +
             max_new_tokens - 1; the newest token is never written).
+        cuda_graphs: replay each decoding step as a CUDA graph (`GraphedForward`; recorded
+            once per batch size, attention then reads the whole cache capacity). None (default):
+            on CUDA with the built-in `Llama`; True: also for other models whose cache is a
+            `KVCache` (their forward must not synchronize); False: never.
 
     Returns:
         `GenerationOutput` with ``tokens`` [B, max_new_tokens] and ``stats``.
@@ -453,9 +484,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     request = _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
                        eos_token_id, pad_token_id, seed, max_cache_len, lookahead=0)
     device, B = input_ids.device, input_ids.shape[0]
+    graphs = _use_cuda_graphs(cuda_graphs, (model,), device)
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
     rows = torch.arange(B, device=device)  # input row of each batch position
     cache = _new_cache(model, "model", B, request.max_len, device)
+    step = _graphed(model, cache, "model", last_only=True) if graphs else None
     with timer("prefill"):
         logits = _last_logits(model, request.prompt, cache, request.prompt_lengths, request.prompt_tokens,
                               max_seqlen=request.prompt.shape[1])
@@ -472,7 +505,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             rows, token, cache = rows[keep], token[keep], cache.select(keep)
         stats.num_steps[rows] += 1
         with timer("target"):
-            logits = _last_logits(model, token[:, None], cache, max_seqlen=longest + 1)
+            if step is None:
+                logits = _last_logits(model, token[:, None], cache, max_seqlen=longest + 1)
+            else:
+                logits = step(token[:, None])
         stats.target_forwards += 1
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
@@ -484,7 +520,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                          *, num_draft_tokens: int = 4, max_new_tokens: int, temperature: float = 1.0,
                          top_k: int | None = None, top_p: float | None = None,
                          eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-                         seed: int | None = None, max_cache_len: int | None = None) -> GenerationOutput:
+                         seed: int | None = None, max_cache_len: int | None = None,
+                         cuda_graphs: bool | None = None) -> GenerationOutput:
     """Lossless speculative decoding, batched over ragged prompts and ragged acceptance.
 
     Each step the draft proposes ``num_draft_tokens`` (K) tokens per row, the target scores all
@@ -500,7 +537,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         num_draft_tokens: K >= 1 tokens proposed per step (at most ``max_new_tokens - 1`` are:
             drafts past the budget could never be kept).
         other arguments: as in `generate`; the cache capacity also needs room for one step's K
-            drafts (default and least: longest prompt + max_new_tokens - 1 + K).
+            drafts (default and least: longest prompt + max_new_tokens - 1 + K). With CUDA
+            graphs the target verifies K + 1 positions every step, also for prompt-lookup rows
+            with fewer drafts (padding), so that one graph serves each batch size.
 
     Returns:
         `GenerationOutput`; ``stats`` has acceptance counts, forward counts and phase times.
@@ -525,10 +564,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     # when that is 0: the prefill's token is then the only one, and no step runs).
     K = max(1, request.drafts)
     device, B = input_ids.device, input_ids.shape[0]
+    graphs = _use_cuda_graphs(cuda_graphs, (target,) if lookup else (target, draft), device)
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
     rows = torch.arange(B, device=device)
 
     target_cache = _new_cache(target, "target", B, request.max_len, device)
+    verify = _graphed(target, target_cache, "target", last_only=False) if graphs else None
     with timer("prefill"):
         logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths, request.prompt_tokens,
                               max_seqlen=request.prompt.shape[1])
@@ -540,6 +581,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         context_lengths = request.prompt_lengths.clone()
     else:
         draft_cache = _new_cache(draft, "draft", B, request.max_len, device)
+        draft_step = _graphed(draft, draft_cache, "draft", last_only=True) if graphs else None
         with timer("draft prefill"):
             draft_prefill = _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths,
                                          request.prompt_tokens, max_seqlen=request.prompt.shape[1])
@@ -586,20 +628,25 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
 
         # 1. Draft K tokens (prompt lookup: already proposed, trimmed to the widest row).
         with timer("draft"):
-            if lookup:
-                draft_ids, draft_logits = draft_ids[:, :widest], None
+            if lookup:  # (a graph verifies all K columns: one graph per batch size)
+                draft_ids, draft_logits = draft_ids[:, :K if verify else widest], None
             else:
                 draft_start = draft_cache.lengths.clone()
-                step_logits = _last_logits(draft, pending, draft_cache, pending_lengths,
-                                           max_seqlen=draft_longest + 2)
+                if draft_step is None:
+                    step_logits = _last_logits(draft, pending, draft_cache, pending_lengths,
+                                               max_seqlen=draft_longest + 2)
+                else:
+                    step_logits = draft_step(pending, pending_lengths)
                 draft_logits = torch.empty(b, K, target.vocab_size, dtype=step_logits.dtype, device=device)
                 draft_ids = torch.empty(b, K, dtype=torch.int64, device=device)
                 for i in range(K):
                     draft_logits[:, i] = step_logits
                     draft_ids[:, i] = request.sample(step_logits)
-                    if i + 1 < K:
+                    if i + 1 < K and draft_step is None:
                         step_logits = _last_logits(draft, draft_ids[:, i: i + 1], draft_cache,
                                                    max_seqlen=draft_longest + 3 + i)
+                    elif i + 1 < K:
+                        step_logits = draft_step(draft_ids[:, i: i + 1])
                 num_drafts = torch.full((b,), K, dtype=torch.int64, device=device)
         stats.draft_forwards += 0 if lookup else K
 
@@ -607,12 +654,15 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         with timer("target"):
             target_start = target_cache.lengths.clone()
             # Every row verifies 1 + K tokens unless prompt lookup left some rows with fewer.
-            ragged = lookup and widest > 0
+            ragged = lookup and (widest > 0 or verify is not None)
             verify_ids = torch.cat([last[:, None], draft_ids], 1)
             # Ragged: b + total_drafts real tokens, known on the host (the model may skip padding).
             q_seqlens, num_tokens = (num_drafts + 1, b + total_drafts) if ragged else (None, None)
-            target_logits = _forward(target, verify_ids, target_cache, q_seqlens, num_tokens,
-                                     max_seqlen=target_longest + verify_ids.shape[1])
+            if verify is None:
+                target_logits = _forward(target, verify_ids, target_cache, q_seqlens, num_tokens,
+                                         max_seqlen=target_longest + verify_ids.shape[1])
+            else:
+                target_logits = verify(verify_ids, q_seqlens)
         stats.target_forwards += 1
 
         # 3. Accept a prefix, emit one corrected or bonus token.

@@ -62,12 +62,13 @@ def test_attention_launches_are_the_registered_specializations(monkeypatch):
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for D in kernels.HEAD_DIMS:
             for G, T in ((1, 1), (4, 5), (3, 5), (4, 9), (8, 9), (8, 17), (8, 30)):
-                q, k, v = torch.zeros(1, T, G, D, dtype=dtype), *torch.zeros(2, 1, 64, 1, D, dtype=dtype)
+                # 128 keys: two splits of at least one key block (up to 64 keys) each.
+                q, k, v = torch.zeros(1, T, G, D, dtype=dtype), *torch.zeros(2, 1, 128, 1, D, dtype=dtype)
                 for max_shared in (None, SHARED_MEMORY_LIMITS[86]):
                     monkeypatch.setattr(kernels, "_max_shared_memory", lambda device, limit=max_shared: limit)
                     for q_seqlens in (None, torch.tensor([T])):
                         for max_splits in (1, 2):  # forward only; forward and merge
-                            kernels.ragged_attention_triton(q, k, v, torch.tensor([64]), q_seqlens, 0.1,
+                            kernels.ragged_attention_triton(q, k, v, torch.tensor([128]), q_seqlens, 0.1,
                                                             max_splits=max_splits, min_chunk=32)
     assert len(recorder.launches) == 3 * len(kernels.HEAD_DIMS) * 7 * 2 * 2 * 3
     assert assert_all_registered(recorder.launches) == _registered("attention[")

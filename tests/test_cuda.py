@@ -215,3 +215,38 @@ def test_model_forward_is_sync_free_on_cuda():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids.is_cuda and out.num_accepted.shape == (4,)
+
+
+@pytest.mark.parametrize("draft_kind", [None, "truncated", "prompt-lookup"])
+def test_cuda_graphs_give_the_eager_tokens(draft_kind, monkeypatch):
+    """Decoding steps replayed from CUDA graphs (the default for the built-in model on CUDA)
+    against the eager loop: greedy tokens equal (the top-2 gap allowance: graphs read the whole
+    cache capacity), rows ending at different steps (new graphs for the smaller batches)."""
+    from specdec_kernels import cuda_graphs
+
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    input_ids, mask = ragged_prompts(seed=9)
+    ids, m = input_ids.cuda(), mask.cuda()
+    drafts = {"truncated": model.truncated(1), "prompt-lookup": PromptLookupDraft()}
+
+    def run(**kwargs):
+        if draft_kind is None:
+            return generate(model, ids, m, max_new_tokens=20, temperature=0, **kwargs)
+        return speculative_generate(model, drafts[draft_kind], ids, m, num_draft_tokens=3, max_new_tokens=20,
+                                    temperature=0, **kwargs)
+
+    eos = int(run(cuda_graphs=False).tokens[1, 4])
+    eager = run(eos_token_id=eos, cuda_graphs=False)
+    captures = []
+    capture = cuda_graphs.GraphedForward._capture
+    monkeypatch.setattr(cuda_graphs.GraphedForward, "_capture",
+                        lambda self, x, q: captures.append(tuple(x.shape)) or capture(self, x, q))
+    graphed = run(eos_token_id=eos)
+    assert len(set(captures)) > 1, captures
+    assert eager.stats.num_generated.min() < 20
+    tokens = graphed.tokens.cpu()
+    for row in range(input_ids.shape[0]):
+        differ = (eager.tokens[row].cpu() != tokens[row]).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(model, ids, m, eager.tokens, row, int(differ[0]))
+    assert (eager.tokens.cpu() != tokens).any(1).sum() <= 1

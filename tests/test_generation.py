@@ -426,6 +426,10 @@ def test_bad_input_is_a_clear_error(target):
         generate(target, ids, [[1] * 5] * 2, max_new_tokens=4)
     with pytest.raises(ValueError, match='"prompt_lookup"'):
         speculative_generate(target, "prompt-lookup", ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs"):
+        generate(target, ids, max_new_tokens=4, cuda_graphs=True)
+    with pytest.raises(TypeError, match="cuda_graphs"):
+        speculative_generate(target, draft, ids, max_new_tokens=4, cuda_graphs="yes")
     context = torch.zeros(2, 3, dtype=torch.int64)
     with pytest.raises(ValueError, match="k must"):
         PromptLookupDraft().propose(context, torch.tensor([3, 1]), 0)
@@ -438,3 +442,53 @@ def test_bad_input_is_a_clear_error(target):
     for min_ngram, max_ngram in ((True, 3), (1, 2.5), (2, 1), (0, 2)):
         with pytest.raises(ValueError, match="min_ngram"):
             PromptLookupDraft(max_ngram=max_ngram, min_ngram=min_ngram)
+
+
+def fake_capture(self, input_ids, q_seqlens):
+    """`GraphedForward._capture` for the CPU: the same static inputs and output buffer, and a
+    "graph" whose replay runs the forward again into that buffer (CUDA graphs need a GPU: the
+    real ones are tested in `tests/test_cuda.py`). Like a capture, it leaves the lengths as they were."""
+    static_ids, static_q = input_ids.clone(), None if q_seqlens is None else q_seqlens.clone()
+    start = self.cache.lengths.clone()
+    out = self.forward(static_ids, static_q).clone()
+    self.cache.crop(start)
+    self.captures += 1
+
+    class Replay:
+        def replay(self_):
+            out.copy_(self.forward(static_ids, static_q))
+
+    return Replay(), static_ids, static_q, out
+
+
+@pytest.mark.parametrize("draft_kind", [None, "truncated", "prompt-lookup"])
+def test_graph_replay_path_gives_the_eager_tokens(target, draft_kind, monkeypatch):
+    """The loops' CUDA-graph path: static inputs and outputs, one recording per shape, new ones
+    once rows are dropped (EOS ends rows at different steps), full-width verification of
+    prompt lookup; tokens equal to the eager loop's (the same top-2 gap allowance as above:
+    the graphs' attention reads the whole cache capacity, the eager loop a bound on the lengths)."""
+    from specdec_kernels import cuda_graphs, generation
+
+    input_ids, mask = ragged_prompts(seed=9)
+    drafts = {"truncated": target.truncated(1), "prompt-lookup": PromptLookupDraft()}
+
+    def run(**kwargs):
+        if draft_kind is None:
+            return generate(target, input_ids, mask, max_new_tokens=20, temperature=0, **kwargs)
+        return speculative_generate(target, drafts[draft_kind], input_ids, mask, num_draft_tokens=3,
+                                    max_new_tokens=20, temperature=0, **kwargs)
+
+    eos = int(run().tokens[1, 4])  # row 1 (and maybe others) ends early
+    eager = run(eos_token_id=eos, cuda_graphs=False)
+    captures = []
+    monkeypatch.setattr(generation, "_use_cuda_graphs", lambda *args: True)
+    monkeypatch.setattr(cuda_graphs.GraphedForward, "_capture",
+                        lambda self, ids, q: captures.append(tuple(ids.shape)) or fake_capture(self, ids, q))
+    graphed = run(eos_token_id=eos)
+    assert len(set(captures)) > 1 and len(captures) == len(set(captures)), captures  # new batch sizes only
+    assert eager.stats.num_generated.min() < 20  # rows were dropped
+    for row in range(input_ids.shape[0]):
+        differ = (eager.tokens[row] != graphed.tokens[row]).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(target, input_ids, mask, eager.tokens, row, int(differ[0]))
+    assert (eager.tokens != graphed.tokens).any(1).sum() <= 1
