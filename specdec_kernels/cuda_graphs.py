@@ -37,7 +37,6 @@ class GraphedForward:
         self.captures = 0  # graphs recorded so far
         self._graphs: dict[tuple, tuple] = {}
         self._cache_tensors: tuple = (None, None, None)
-        self._pool = None
 
     def __call__(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         cache = self.cache
@@ -71,10 +70,11 @@ class GraphedForward:
                 self.forward(static_ids, static_q)
                 self.cache.crop(start)
         torch.cuda.current_stream(device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs never run at once
+        # Each graph gets its own memory pool: a shared one could not take a new graph once the
+        # old ones are dropped while their outputs live on (an H100 run hit torch's assert), and
+        # the pools are small (activations and logits of one step).
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph):
             out = self.forward(static_ids, static_q)  # records the kernels; lengths stay where they were
         self.captures += 1
         return graph, static_ids, static_q, out
