@@ -8,17 +8,23 @@
 # Usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]   (default: all three)
 # Benchmark results from it are recorded in benchmarks/RESULTS.md.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${1:?usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]}
+out=$(realpath -m "${1:?usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]}")
 shift
+cd "$(dirname "$0")/.."
 steps=${*:-tests kernels decoding}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-# The package from this checkout, without touching the machine's torch or triton.
-$py -c "import specdec_kernels.kernels" 2>/dev/null ||
+# The package from this checkout, without touching the machine's torch or triton (no network
+# needed: setuptools builds the editable install in place).
+if ! $py -c "import specdec_kernels.kernels" 2>/dev/null; then
+    $py -c "import setuptools" 2>/dev/null || { echo "installing this checkout needs setuptools (pip install setuptools)" >&2; exit 1; }
     $py -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+fi
+for module in pytest pytest_benchmark; do
+    $py -c "import $module" 2>/dev/null || { echo "needs $module: pip install pytest pytest-benchmark" >&2; exit 1; }
+done
 { date -u; nvidia-smi -L; $py -m specdec_kernels env; } 2>&1 | tee "$out/env.txt"
 parallel=$($py -c "import xdist" 2>/dev/null && echo "-n 8")  # pytest-xdist: compile kernels on 8 cores
 rc=0

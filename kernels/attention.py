@@ -214,6 +214,7 @@ def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: i
     # loaded once per KV head, up to `max_tile_rows`; more rows take more row blocks, each
     # re-reading K/V. Every size here compiles without spills for sm_80 and sm_90 (the compile
     # check): 32 keys per step and 8 warps, except
+    # - fp16 / bf16 tiles of at most 32 rows: 64 keys per step, 4 warps and 3 stages (below);
     # - fp32 tiles of 32 rows or more, whose fp32 products need 16 keys per step to stay in
     #   registers, and the widest tiles (fp32 from 64 rows, fp16 / bf16 at 256), which need 16
     #   warps;

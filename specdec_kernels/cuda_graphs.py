@@ -29,7 +29,13 @@ class GraphedForward:
     The returned logits live in the graph's output buffer, which the next call of that shape
     overwrites: use or copy them first. The graphs are dropped when the cache's tensors are
     replaced (`KVCache.select`); a model's weights must not be replaced between calls (changed
-    in place is fine).
+    in place is fine). A recording costs two eager forwards, the capture and a device
+    synchronization (torch's capture starts with one), once per shape: the generation loops
+    record again in every call and after every change of batch size.
+
+    Raises:
+        RuntimeError: the forward could not be captured (it synchronizes with the host, or
+            does something else a capture does not allow); decode eagerly instead.
     """
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], cache) -> None:
@@ -48,15 +54,27 @@ class GraphedForward:
         key = (tuple(input_ids.shape), q_seqlens is not None)
         if key not in self._graphs:
             self._graphs[key] = self._capture(input_ids, q_seqlens)
-        graph, static_ids, static_q, out = self._graphs[key]
+        replay, static_ids, static_q, out = self._graphs[key]
         static_ids.copy_(input_ids)
         if static_q is not None:
             static_q.copy_(q_seqlens)
-        graph.replay()
+        replay()
         cache.version += 1  # what `KVCache.advance` does on the host (the replay runs only kernels)
         return out
 
     def _capture(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor | None) -> tuple:
+        """Record the graph of this shape: ``(replay, static input_ids, static q_seqlens, output)``."""
+        device = input_ids.device
+        with torch.cuda.device(device):  # streams, capture and replays on the inputs' GPU, maybe not the current one
+            graph, static_ids, static_q, out = self._record(input_ids, q_seqlens)
+
+        def replay() -> None:
+            with torch.cuda.device(device):
+                graph.replay()
+
+        return replay, static_ids, static_q, out
+
+    def _record(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor | None) -> tuple:
         device = input_ids.device
         static_ids = input_ids.clone()
         static_q = None if q_seqlens is None else q_seqlens.clone()
@@ -74,7 +92,12 @@ class GraphedForward:
         # old ones are dropped while their outputs live on (an H100 run hit torch's assert), and
         # the pools are small (activations and logits of one step).
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.forward(static_ids, static_q)  # records the kernels; lengths stay where they were
+        try:
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+                out = self.forward(static_ids, static_q)  # records the kernels; lengths stay where they were
+        except RuntimeError as e:
+            raise RuntimeError(f"the model's forward on input_ids of shape {list(input_ids.shape)} could not be "
+                               "recorded as a CUDA graph (does it synchronize with the host?); decode eagerly "
+                               "with cuda_graphs=False") from e
         self.captures += 1
         return graph, static_ids, static_q, out

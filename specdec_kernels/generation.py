@@ -14,7 +14,9 @@ positions instead of the cache's capacity).
 
 Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
 reads a device value on the host except the one "which rows are done?" check, which
-also drops finished rows from the batch so they stop costing compute.
+also drops finished rows from the batch so they stop costing compute. On CUDA the decoding
+forwards are replayed as CUDA graphs (`specdec_kernels.cuda_graphs`); a step that records a
+new graph (the first step at each batch size) also synchronizes the device once.
 """
 
 from __future__ import annotations
@@ -629,7 +631,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         # 1. Draft K tokens (prompt lookup: already proposed, trimmed to the widest row).
         with timer("draft"):
             if lookup:  # (a graph verifies all K columns: one graph per batch size)
-                draft_ids, draft_logits = draft_ids[:, :K if verify else widest], None
+                draft_ids, draft_logits = draft_ids[:, :K if verify is not None else widest], None
             else:
                 draft_start = draft_cache.lengths.clone()
                 if draft_step is None:

@@ -61,6 +61,13 @@ def gguf_special_token_ids(path: Path) -> dict[str, int]:
             if (field := fields.get(f"tokenizer.ggml.{name}_token_id")) is not None}
 
 
+def _with_gguf_special_tokens(tokenizer, gguf: Path):
+    """``tokenizer`` with the special tokens the GGUF file names (returned for chaining)."""
+    for role, token_id in gguf_special_token_ids(gguf).items():
+        setattr(tokenizer, role, tokenizer.convert_ids_to_tokens(token_id))
+    return tokenizer
+
+
 def _is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
 
@@ -117,9 +124,7 @@ def smollm2_folder() -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        for role, token_id in gguf_special_token_ids(gguf).items():  # not every transformers version maps them
-            setattr(tokenizer, role, tokenizer.convert_ids_to_tokens(token_id))
+        tokenizer = _with_gguf_special_tokens(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), gguf)
         tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-tmp-", dir=folder))
         try:
             Llama.from_pretrained(hf_model).save_pretrained(tmp)
@@ -133,8 +138,12 @@ def smollm2_folder() -> Path:
 
 
 def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-    """Load SmolLM2-135M-Instruct as a `Llama` and its tokenizer: ``(model, tokenizer)``."""
+    """Load SmolLM2-135M-Instruct as a `Llama` and its tokenizer: ``(model, tokenizer)``.
+
+    The tokenizer's special tokens are set from the GGUF file on every load, so a folder
+    converted by a transformers version that mapped them wrongly is right too."""
     folder = smollm2_folder()
     from transformers import AutoTokenizer
 
-    return Llama.from_pretrained(folder, dtype=dtype, device=device), AutoTokenizer.from_pretrained(folder)
+    tokenizer = _with_gguf_special_tokens(AutoTokenizer.from_pretrained(folder), smollm2_gguf())
+    return Llama.from_pretrained(folder, dtype=dtype, device=device), tokenizer

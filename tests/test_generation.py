@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from scipy import stats as scipy_stats
 
 from specdec_kernels import PromptLookupDraft, generate, process_logits, speculative_generate
 from specdec_kernels.testing import SyncCounter
@@ -96,6 +95,8 @@ def exact_first_tokens_distribution(model, prompt, temperature=1.0, top_k=None, 
 
 def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     """Chi-square goodness of fit, cells with expected count < 5 pooled into one."""
+    from scipy import stats as scipy_stats  # here, not at the top: tests/test_cuda.py imports this module
+
     n = int(observed.sum())
     expected = probs.flatten() * n
     observed = observed.flatten().double()
@@ -454,11 +455,10 @@ def fake_capture(self, input_ids, q_seqlens):
     self.cache.crop(start)
     self.captures += 1
 
-    class Replay:
-        def replay(self_):
-            out.copy_(self.forward(static_ids, static_q))
+    def replay():
+        out.copy_(self.forward(static_ids, static_q))
 
-    return Replay(), static_ids, static_q, out
+    return replay, static_ids, static_q, out
 
 
 @pytest.mark.parametrize("draft_kind", [None, "truncated", "prompt-lookup"])
@@ -486,9 +486,58 @@ def test_graph_replay_path_gives_the_eager_tokens(target, draft_kind, monkeypatc
                         lambda self, ids, q: captures.append(tuple(ids.shape)) or fake_capture(self, ids, q))
     graphed = run(eos_token_id=eos)
     assert len(set(captures)) > 1 and len(captures) == len(set(captures)), captures  # new batch sizes only
+    if draft_kind == "prompt-lookup":  # every step verifies K + 1 columns: one graph per batch size
+        assert {T for _, T in captures} == {4}, captures
     assert eager.stats.num_generated.min() < 20  # rows were dropped
     for row in range(input_ids.shape[0]):
         differ = (eager.tokens[row] != graphed.tokens[row]).nonzero()
         if len(differ):
             assert greedy_divergence_allowed(target, input_ids, mask, eager.tokens, row, int(differ[0]))
     assert (eager.tokens != graphed.tokens).any(1).sum() <= 1
+
+
+def test_graphs_are_recorded_again_when_the_cache_tensors_change(target, monkeypatch):
+    """`KVCache.select` replaces the cache's tensors, also when the batch size stays: the old
+    graphs would write to the old tensors, so they are dropped and the shape is recorded again."""
+    from specdec_kernels.cuda_graphs import GraphedForward
+
+    monkeypatch.setattr(GraphedForward, "_capture", fake_capture)
+    cache = target.new_cache(3, 16)
+    step = GraphedForward(lambda ids, q_seqlens: target(ids, cache, q_seqlens, last_only=True), cache)
+    ids = torch.randint(0, V, (3, 2))
+    expected = target(ids, target.new_cache(3, 16))[:, -1:]
+    version = cache.version
+    assert torch.allclose(step(ids), expected, atol=1e-5) and step.captures == 1
+    assert torch.equal(cache.lengths, torch.full((3,), 2)) and cache.version > version
+    step(ids)
+    assert step.captures == 1 and torch.equal(cache.lengths, torch.full((3,), 4))
+    cache.select(torch.tensor([2, 0, 1]))  # same batch size, new tensors
+    step(ids)
+    assert step.captures == 2 and torch.equal(cache.lengths, torch.full((3,), 6))
+
+
+def test_cuda_graphs_need_a_kv_cache(target, monkeypatch):
+    from specdec_kernels import generation
+
+    class OtherCache:
+        def __init__(self, cache):
+            self.lengths, self.inner = cache.lengths, cache
+
+        def crop(self, lengths):
+            self.inner.crop(lengths)
+
+        def select(self, rows):
+            self.inner.select(rows)
+            self.lengths = self.inner.lengths
+            return self
+
+    class OtherModel(CountingModel):
+        def new_cache(self, batch_size, max_len):
+            return OtherCache(self.model.new_cache(batch_size, max_len))
+
+        def forward(self, input_ids, cache, q_seqlens=None):
+            return self.model(input_ids, cache.inner, q_seqlens)
+
+    monkeypatch.setattr(generation, "_use_cuda_graphs", lambda *args: True)
+    with pytest.raises(ValueError, match="cuda_graphs needs the model's cache to be a KVCache"):
+        generate(OtherModel(target), torch.randint(0, V, (2, 3)), max_new_tokens=3, cuda_graphs=True)

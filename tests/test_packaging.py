@@ -110,6 +110,7 @@ def stub_conversion(monkeypatch, tmp_path):
         return transformers.LlamaForCausalLM(config)
 
     monkeypatch.setattr(pretrained, "smollm2_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(pretrained, "gguf_special_token_ids", lambda path: {})  # no real GGUF file to read
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
     return calls
