@@ -48,6 +48,7 @@ class Setup:
     hf: object  # transformers LlamaForCausalLM, same weights
     hf_draft: object  # transformers model with the first DRAFT_LAYERS layers
     tokenizer: object
+    cuda_graphs: bool | None = None  # our loops' cuda_graphs= (None: on for CUDA)
 
 
 def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Setup:
@@ -85,10 +86,11 @@ def run_ours(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | No
     """Tokens generated and the stats of one greedy run of our generate / speculative_generate."""
     ids, mask = encode(setup, batch_size)
     if draft is None:
-        return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+        return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=0,
+                        cuda_graphs=setup.cuda_graphs)
     drafter = PromptLookupDraft() if draft == "prompt_lookup" else setup.model.truncated(DRAFT_LAYERS)
     return speculative_generate(setup.model, drafter, ids, mask, num_draft_tokens=k,
-                                max_new_tokens=max_new_tokens, temperature=0)
+                                max_new_tokens=max_new_tokens, temperature=0, cuda_graphs=setup.cuda_graphs)
 
 
 def run_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4) -> int:
@@ -126,7 +128,7 @@ def predicted_speedup(a: float, k: int, c: float, v: float) -> float:
 
 
 def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
-          device: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+          device: str = "cpu", dtype: torch.dtype = torch.float32, cuda_graphs: bool = True) -> str:
     """Run every comparison ``repeats`` times (interleaved, so load changes hit every method alike)
     and return a markdown table of medians plus the machine line."""
     from benchmarks.timing import machine_line
@@ -134,6 +136,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
     torch.manual_seed(0)
     setup = load_setup(pack, device, dtype)
     cuda = torch.device(device).type == "cuda"
+    setup.cuda_graphs = None if cuda_graphs else False
     packed = setup.model.output.packing
     rows = []
     for B in batch_sizes:
@@ -177,7 +180,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
     return (f"SmolLM2-135M-Instruct {str(dtype).removeprefix('torch.')} on {device}, greedy, "
             f"{max_new_tokens} new tokens per row, K = {k}, "
             f"median of {repeats} interleaved runs, our weights {'MKL-packed' if packed else 'unpacked'}"
-            f"{', our decoding steps replayed as CUDA graphs' if cuda else ''}\n"
+            f"{', our decoding steps replayed as CUDA graphs' if cuda and cuda_graphs else ''}\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
 
@@ -191,6 +194,7 @@ if __name__ == "__main__":
     parser.add_argument("--no-pack", action="store_true", help="leave our model's weights unpacked")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="our loops decode eagerly on CUDA too")
     args = parser.parse_args()
     print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
-                device=args.device, dtype=getattr(torch, args.dtype)))
+                device=args.device, dtype=getattr(torch, args.dtype), cuda_graphs=not args.no_cuda_graphs))
