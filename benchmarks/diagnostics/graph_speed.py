@@ -5,20 +5,12 @@ import time
 
 import torch
 import transformers
+from smollm2_shape import SMOLLM2_SHAPE
 
 from specdec_kernels import generate
 from specdec_kernels.model import Llama
 
-kw = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    tie_word_embeddings=True,
-)
-hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2_SHAPE)).eval()
 ours = Llama.from_pretrained(hf)
 for dtype in (torch.bfloat16, torch.float32):
     m, h = ours.to("cuda", dtype), hf.to("cuda", dtype)

@@ -4,19 +4,11 @@
 import time
 
 import torch
+from smollm2_shape import SMOLLM2_SHAPE
 
 from specdec_kernels.model import Llama, LlamaConfig
 
-cfg = LlamaConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
+cfg = LlamaConfig(**SMOLLM2_SHAPE, rope_theta=100000.0)
 torch.manual_seed(0)
 for dtype in (torch.bfloat16, torch.float32):
     m = Llama(cfg)

@@ -5,22 +5,14 @@ import time
 import warnings
 
 import torch
+from smollm2_shape import SMOLLM2_SHAPE
 from specdec_kernels.kernels.attention import ragged_attention_triton
 
 from specdec_kernels import RaggedAttentionPlan, generate, ragged_attention
 from specdec_kernels.model import Llama, LlamaConfig
 
 torch.manual_seed(0)
-cfg = LlamaConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
+cfg = LlamaConfig(**SMOLLM2_SHAPE, rope_theta=100000.0)
 
 
 def make(dtype):
@@ -103,15 +95,7 @@ for dtype in (torch.bfloat16, torch.float32):
     try:
         import transformers
 
-        hcfg = transformers.LlamaConfig(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            tie_word_embeddings=True,
-        )
+        hcfg = transformers.LlamaConfig(**SMOLLM2_SHAPE)
         hf = transformers.LlamaForCausalLM(hcfg).to("cuda", dtype).eval()
         for B in (1, 8):
             prompt = torch.randint(0, 49152, (B, 64), device="cuda")
