@@ -140,10 +140,13 @@ def smollm2_folder() -> Path:
 def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
     """Load SmolLM2-135M-Instruct as a `Llama` and its tokenizer: ``(model, tokenizer)``.
 
-    The tokenizer's special tokens are set from the GGUF file on every load, so a folder
-    converted by a transformers version that mapped them wrongly is right too."""
+    The tokenizer's special tokens are set from the GGUF file on every load (where ``gguf`` is
+    installed; the conversion set them too), so a folder converted by an earlier version of this
+    code, with a transformers version that mapped them wrongly, is right as well."""
     folder = smollm2_folder()
     from transformers import AutoTokenizer
 
-    tokenizer = _with_gguf_special_tokens(AutoTokenizer.from_pretrained(folder), smollm2_gguf())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if importlib.util.find_spec("gguf"):
+        tokenizer = _with_gguf_special_tokens(tokenizer, smollm2_gguf())
     return Llama.from_pretrained(folder, dtype=dtype, device=device), tokenizer
