@@ -57,11 +57,10 @@ def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torc
     where that applies (CPU float32, torch with MKL)."""
     from transformers import LlamaForCausalLM
 
-    from specdec_kernels.model import mkl_packing_available
     from specdec_kernels.pretrained import load_smollm2, smollm2_folder
 
     model, tokenizer = load_smollm2(dtype=dtype, device=device)
-    if pack and torch.device(device).type == "cpu" and dtype == torch.float32 and mkl_packing_available():
+    if pack and model.can_pack_weights():
         model.pack_weights()
     folder = smollm2_folder()
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()

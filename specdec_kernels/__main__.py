@@ -116,14 +116,13 @@ def _run_batches(args: argparse.Namespace, model, draft, tokenizer, batches: lis
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from specdec_kernels.model import mkl_packing_available
     from specdec_kernels.pretrained import ModelNotInstalledError, load_smollm2
 
     torch.manual_seed(0)
     try:
         _progress(0, 1, "loading SmolLM2-135M-Instruct")
         model, tokenizer = load_smollm2(device=args.device)
-        if model.output.weight.device.type == "cpu" and mkl_packing_available():
+        if model.can_pack_weights():
             model.pack_weights()  # MKL's packed GEMM: faster matmuls from 4 rows, one more copy in memory
         _progress(1, 1, "model loaded")
     except ModelNotInstalledError as e:

@@ -267,14 +267,20 @@ def _use_cuda_graphs(cuda_graphs: bool | None, models, device: torch.device) -> 
     return cuda_graphs
 
 
-def _graphed(model, cache, name: str, *, last_only: bool) -> GraphedForward:
-    """``model``'s forward on ``cache`` as CUDA graphs, at full capacity (``max_seqlen`` and
-    ``num_tokens`` are left out: they would change the shapes every step)."""
+def _decoding_forward(model, cache, name: str, graphs: bool, *, last_only: bool) -> Callable:
+    """The loop's decoding forward of ``model``: ``fn(ids, cache, q_seqlens=None, num_tokens=None,
+    *, max_seqlen)`` -> `_last_logits` (``last_only``) or `_forward`'s logits. With ``graphs``,
+    replayed from CUDA graphs (`GraphedForward`) on ``cache`` (a `KVCache`, whose `select` keeps
+    the object) at full capacity: ``num_tokens`` and ``max_seqlen`` are left out, they would
+    change the shapes every step."""
+    forward = _last_logits if last_only else _forward
+    if not graphs:
+        return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen: forward(
+            model, ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen)
     if not isinstance(cache, KVCache):
         raise ValueError(f"cuda_graphs needs the {name}'s cache to be a KVCache, got {type(cache).__name__}")
-    if last_only:
-        return GraphedForward(lambda ids, q_seqlens: _last_logits(model, ids, cache, q_seqlens), cache)
-    return GraphedForward(lambda ids, q_seqlens: _forward(model, ids, cache, q_seqlens), cache)
+    graphed = GraphedForward(lambda ids, q_seqlens: forward(model, ids, cache, q_seqlens), cache)
+    return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen: graphed(ids, q_seqlens)
 
 
 @dataclass
@@ -490,7 +496,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
     rows = torch.arange(B, device=device)  # input row of each batch position
     cache = _new_cache(model, "model", B, request.max_len, device)
-    step = _graphed(model, cache, "model", last_only=True) if graphs else None
+    step = _decoding_forward(model, cache, "model", graphs, last_only=True)
     with timer("prefill"):
         logits = _last_logits(model, request.prompt, cache, request.prompt_lengths, request.prompt_tokens,
                               max_seqlen=request.prompt.shape[1])
@@ -507,10 +513,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             rows, token, cache = rows[keep], token[keep], cache.select(keep)
         stats.num_steps[rows] += 1
         with timer("target"):
-            if step is None:
-                logits = _last_logits(model, token[:, None], cache, max_seqlen=longest + 1)
-            else:
-                logits = step(token[:, None])
+            logits = step(token[:, None], cache, max_seqlen=longest + 1)
         stats.target_forwards += 1
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
@@ -571,7 +574,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     rows = torch.arange(B, device=device)
 
     target_cache = _new_cache(target, "target", B, request.max_len, device)
-    verify = _graphed(target, target_cache, "target", last_only=False) if graphs else None
+    verify = _decoding_forward(target, target_cache, "target", graphs, last_only=False)
     with timer("prefill"):
         logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths, request.prompt_tokens,
                               max_seqlen=request.prompt.shape[1])
@@ -583,7 +586,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         context_lengths = request.prompt_lengths.clone()
     else:
         draft_cache = _new_cache(draft, "draft", B, request.max_len, device)
-        draft_step = _graphed(draft, draft_cache, "draft", last_only=True) if graphs else None
+        draft_step = _decoding_forward(draft, draft_cache, "draft", graphs, last_only=True)
         with timer("draft prefill"):
             draft_prefill = _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths,
                                          request.prompt_tokens, max_seqlen=request.prompt.shape[1])
@@ -631,24 +634,18 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         # 1. Draft K tokens (prompt lookup: already proposed, trimmed to the widest row).
         with timer("draft"):
             if lookup:  # (a graph verifies all K columns: one graph per batch size)
-                draft_ids, draft_logits = draft_ids[:, :K if verify is not None else widest], None
+                draft_ids, draft_logits = draft_ids[:, :K if graphs else widest], None
             else:
                 draft_start = draft_cache.lengths.clone()
-                if draft_step is None:
-                    step_logits = _last_logits(draft, pending, draft_cache, pending_lengths,
-                                               max_seqlen=draft_longest + 2)
-                else:
-                    step_logits = draft_step(pending, pending_lengths)
+                step_logits = draft_step(pending, draft_cache, pending_lengths, max_seqlen=draft_longest + 2)
                 draft_logits = torch.empty(b, K, target.vocab_size, dtype=step_logits.dtype, device=device)
                 draft_ids = torch.empty(b, K, dtype=torch.int64, device=device)
                 for i in range(K):
                     draft_logits[:, i] = step_logits
                     draft_ids[:, i] = request.sample(step_logits)
-                    if i + 1 < K and draft_step is None:
-                        step_logits = _last_logits(draft, draft_ids[:, i: i + 1], draft_cache,
-                                                   max_seqlen=draft_longest + 3 + i)
-                    elif i + 1 < K:
-                        step_logits = draft_step(draft_ids[:, i: i + 1])
+                    if i + 1 < K:
+                        step_logits = draft_step(draft_ids[:, i: i + 1], draft_cache,
+                                                 max_seqlen=draft_longest + 3 + i)
                 num_drafts = torch.full((b,), K, dtype=torch.int64, device=device)
         stats.draft_forwards += 0 if lookup else K
 
@@ -656,15 +653,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         with timer("target"):
             target_start = target_cache.lengths.clone()
             # Every row verifies 1 + K tokens unless prompt lookup left some rows with fewer.
-            ragged = lookup and (widest > 0 or verify is not None)
+            ragged = lookup and (widest > 0 or graphs)
             verify_ids = torch.cat([last[:, None], draft_ids], 1)
             # Ragged: b + total_drafts real tokens, known on the host (the model may skip padding).
             q_seqlens, num_tokens = (num_drafts + 1, b + total_drafts) if ragged else (None, None)
-            if verify is None:
-                target_logits = _forward(target, verify_ids, target_cache, q_seqlens, num_tokens,
-                                         max_seqlen=target_longest + verify_ids.shape[1])
-            else:
-                target_logits = verify(verify_ids, q_seqlens)
+            target_logits = verify(verify_ids, target_cache, q_seqlens, num_tokens,
+                                   max_seqlen=target_longest + verify_ids.shape[1])
         stats.target_forwards += 1
 
         # 3. Accept a prefix, emit one corrected or bonus token.

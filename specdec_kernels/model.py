@@ -448,6 +448,16 @@ class Llama(nn.Module):
         draft._inv_freq = None
         return draft
 
+    def can_pack_weights(self) -> bool:
+        """Whether `pack_weights` can pack this model: CPU float32 weights and torch with MKL."""
+        try:
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.check_packable()
+        except (ValueError, RuntimeError):
+            return False
+        return True
+
     def pack_weights(self, enable: bool = True) -> Llama:
         """Keep a copy of every matmul weight (projections and LM head) in MKL's packed GEMM layout,
         for CPU float32 inference; ``enable=False`` drops the copies. Returns the model.

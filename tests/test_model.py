@@ -412,6 +412,17 @@ def test_packed_weights_keep_autograd_and_other_dtypes_on_the_plain_path():
         assert mkl_linear_calls(lambda: layer(x.detach().double())) == 0
 
 
+def test_can_pack_weights_says_whether_pack_weights_would_pack(monkeypatch):
+    from specdec_kernels import model as model_module
+
+    model = tiny_llama()
+    assert model.can_pack_weights() == model_module.mkl_packing_available()
+    model.output.to(torch.float16)  # one weight that cannot be packed
+    assert not model.can_pack_weights()
+    monkeypatch.setattr(model_module, "mkl_packing_available", lambda: False)
+    assert not tiny_llama().can_pack_weights()
+
+
 @pytest.mark.parametrize("dim", [96, 576])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_rms_norm_matches_hugging_face_arithmetic(dtype, dim):
