@@ -10,12 +10,15 @@ rows come out as zeros.
 Backends (see `specdec_kernels._backend`):
 
 - ``"reference"``: `specdec_kernels.reference.attention`, row by row in fp32;
-- ``"torch"``: vectorized and sync-free (no host read of a length; on CPU, V is taken in chunks
-  of batch rows sized from the shapes alone):
-  the G query heads of a KV head and the T queries of a row are packed into one matrix, so each
-  KV head's cache is multiplied once; boolean masks built on device cover causality and the
-  ragged lengths, V's entries beyond each length are zeroed bitwise (a NaN there would survive a
-  zero weight), padding rows are zeroed at the end. Half-precision inputs are computed in fp32;
+- ``"torch"``: vectorized and sync-free (no host read of a length): the G query heads of a KV
+  head and the T queries of a row are packed into one matrix, so each KV head's cache is
+  multiplied once, in place. Integer masks built on device cover causality and the ragged
+  lengths: ANDed into the scores' bits and followed by a -inf bias, they also remove the NaN
+  scores of keys beyond a length. What lies beyond a length in V is never multiplied (a NaN
+  there would survive a zero weight): with at most 6 packed rows, ``P V`` is a weighted sum of
+  V's rows (``embedding_bag``) in which those positions point at position 0; with more, V is
+  zeroed there bitwise in chunks of batch rows (sized from the shapes alone) before one GEMM
+  per chunk. Padding rows are zeroed at the end. Half-precision inputs are computed in fp32;
 - ``"triton"``: `specdec_kernels.kernels.attention`, split-KV (flash-decoding) with a
   log-sum-exp merge; the split count is chosen per row on the device.
 
@@ -30,8 +33,10 @@ at once; on CUDA it is a device-side assert, reported at the next synchronizatio
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ._backend import DeviceCheckError, as_float32, check_lengths_tensor, device_check, resolve_backend
 
@@ -109,6 +114,28 @@ def check_ragged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return shape
 
 
+class TorchMasks(NamedTuple):
+    """What the CPU path's scores need beyond the lengths (`RaggedAttentionPlan.torch_masks`).
+
+    - ``score_keep`` [B, 1, T, 1, Lmax] int32: all ones (-1) on the keys query t of row b sees,
+      0 elsewhere; ANDed into the scores' bits, it turns every hidden score (NaN included: keys
+      beyond a row's length may hold anything) into +0.0;
+    - ``score_bias`` [B, 1, T, 1, Lmax] float32: 0 on visible keys, -inf on hidden ones, added next
+      (an AND and an add took a seventh of a broadcast ``masked_fill_``'s time on CPU);
+    - ``padding`` [B, 1, T, 1, 1] bool: query rows past q_seqlens (None without q_seqlens or with
+      T = 1);
+    - ``zero``: a 0-d float32 zero (the ignored input of ``baddbmm(beta=0)``).
+    """
+
+    score_keep: torch.Tensor
+    score_bias: torch.Tensor
+    padding: torch.Tensor | None
+    zero: torch.Tensor
+
+
+_NEG_INF_BITS = -(1 << 23)  # 0xFF800000: float32 -inf as an int32
+
+
 class RaggedAttentionPlan:
     """The part of `ragged_attention` that depends only on the lengths, made once and shared.
 
@@ -165,7 +192,10 @@ class RaggedAttentionPlan:
         _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len)
         self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
-        self._masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+        self._masks: TorchMasks | None = None
+        self._valid: torch.Tensor | None = None
+        self._value_keep: torch.Tensor | None = None
+        self._value_rows: dict[tuple[tuple[int, int, int], int, int], tuple[torch.Tensor, int]] = {}
 
     def check_call(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, T: int, Lmax: int) -> None:
         """Raise ValueError unless a call's lengths and shapes are the ones this plan was made for."""
@@ -176,45 +206,80 @@ class RaggedAttentionPlan:
             raise ValueError(f"plan was made for T={self.num_queries}, Lmax={self.max_len}; "
                              f"got q with T={T} and a cache with Lmax={Lmax}")
 
-    def torch_masks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The CPU path's masks, built on the first call: ``hidden`` [B, 1, T, 1, Lmax] bool (keys
-        a query must not see), ``keep`` [B, 1, Lmax, 1] int32 (-1 on valid keys, 0 beyond the
-        row's length), ``padding`` [B, T, 1, 1, 1] bool (query rows past q_seqlens; None
-        without q_seqlens or with T = 1), and a 0-d float32 zero (the ignored GEMM input)."""
+    def torch_masks(self) -> TorchMasks:
+        """The CPU path's score masks (`TorchMasks`), built on the first call."""
         if self._masks is None:
-            B, T, device = self.batch_size, self.num_queries, self.cache_seqlens.device
-            lengths = self.cache_seqlens.view(B, 1)
+            B, T, Lmax, device = self.batch_size, self.num_queries, self.max_len, self.cache_seqlens.device
             n = T if self.q_seqlens is None else self.q_seqlens.view(B, 1)
             steps = torch.arange(T, device=device)
-            keys = torch.arange(self.max_len, device=device)
             # Query t of row b sees keys 0 .. last[b, t]. Padding rows (t >= n) reach past the
             # row's length (possibly NaN there); they are zeroed at the end.
-            last = lengths - n + steps                                              # [B, T]
-            hidden = (keys > last.unsqueeze(2)).view(B, 1, T, 1, self.max_len)
-            keep = -(keys < lengths).view(torch.int8).to(torch.int32).view(B, 1, self.max_len, 1)
+            last = self.cache_seqlens.view(B, 1) - n + steps                           # [B, T]
+            visible = torch.arange(Lmax, device=device) <= last.view(B, 1, T, 1, 1)
+            score_keep = visible.to(torch.int32).neg_().view(B, 1, T, 1, Lmax)
+            score_bias = torch.bitwise_not(score_keep).bitwise_and_(_NEG_INF_BITS).view(torch.float32)
             # With T = 1 every row has its one query (q_seqlens lies in 1..T): nothing to zero.
-            padding = None if self.q_seqlens is None or T == 1 else (steps >= n).view(B, T, 1, 1, 1)
-            self._masks = hidden, keep, padding, torch.zeros((), dtype=torch.float32, device=device)
+            padding = None if self.q_seqlens is None or T == 1 else (steps >= n).view(B, 1, T, 1, 1)
+            zero = torch.zeros((), dtype=torch.float32, device=device)
+            self._masks = TorchMasks(score_keep, score_bias, padding, zero)
         return self._masks
 
+    def _valid_positions(self) -> torch.Tensor:
+        """[B, Lmax] bool: the positions below each row's length."""
+        if self._valid is None:
+            keys = torch.arange(self.max_len, device=self.cache_seqlens.device)
+            self._valid = keys < self.cache_seqlens.view(self.batch_size, 1)
+        return self._valid
 
-def _bmm_per_kv_head(a: torch.Tensor, b: torch.Tensor, alpha: float, zero: torch.Tensor) -> torch.Tensor:
-    """``alpha * (a @ b)`` for ``a`` [B, Hkv, M, K] and ``b`` [B, Hkv, K, N] (a view of a KV cache),
-    read in place: one batched GEMM when rows and heads merge into one batch dimension
-    (head-major storage, as `KVCache` keeps it), else one per head (merging would copy ``b``;
-    torch's CPU bmm over a batch that does not merge falls back to a per-row loop). ``alpha`` is
-    the GEMM's own factor (``baddbmm`` with ``beta=0`` ignores its 0-d ``zero`` input), so no
-    scaled copy of ``a`` is made. Returns [B, Hkv, M, N]."""
-    B, H, M, K = a.shape
-    N = b.shape[-1]
-    if B == 1 or b.stride(0) == H * b.stride(1):
-        return torch.baddbmm(zero, a.reshape(B * H, M, K), b.reshape(B * H, K, N), beta=0,
-                             alpha=alpha).view(B, H, M, N)
-    a_heads = a.transpose(0, 1).contiguous()
-    out = a.new_empty(H, B, M, N)
+    def value_keep(self) -> torch.Tensor:
+        """[B, 1, Lmax, 1] int32: all ones (-1) on each row's valid keys, 0 beyond (the CPU path's
+        mask for zeroing V by a bitwise AND), built on the first call."""
+        if self._value_keep is None:
+            self._value_keep = self._valid_positions().to(torch.int32).neg_().view(self.batch_size, 1, self.max_len, 1)
+        return self._value_keep
+
+    def value_rows(self, v_strides: tuple[int, int, int], num_kv_heads: int, num_rows: int
+                   ) -> tuple[torch.Tensor, int]:
+        """The rows of V that the CPU path sums by `embedding_bag`, built once per layout.
+
+        For a cache whose entries are rows of D contiguous values, ``v_strides`` are its strides
+        over (B, Lmax, Hkv) in units of such rows. Returns the row indices [B * Hkv * num_rows,
+        Lmax] (bag (b, h, m) lists V[b, l, h] for every position l; positions at or beyond row
+        b's length list V[b, 0, h] instead, which always exists and is then weighted 0, so what
+        lies beyond the length is never read) and the number of rows the indices span.
+        """
+        key = (v_strides, num_kv_heads, num_rows)
+        if key not in self._value_rows:
+            B, Lmax, H, device = self.batch_size, self.max_len, num_kv_heads, self.cache_seqlens.device
+            s_b, s_l, s_h = v_strides
+            span = (B - 1) * s_b + (Lmax - 1) * s_l + (H - 1) * s_h + 1
+            dtype = torch.int32 if span <= torch.iinfo(torch.int32).max else torch.int64
+            positions = torch.arange(0, Lmax * s_l, s_l, device=device, dtype=dtype).mul(self._valid_positions())
+            row_starts = torch.arange(0, B * s_b, s_b, device=device, dtype=dtype).view(B, 1, 1)
+            head_starts = torch.arange(0, H * s_h, s_h, device=device, dtype=dtype).view(1, H, 1)
+            rows = positions.view(B, 1, Lmax) + (row_starts + head_starts)                  # [B, H, Lmax]
+            self._value_rows[key] = (rows.unsqueeze(2).expand(B, H, num_rows, Lmax).reshape(-1, Lmax), span)
+        return self._value_rows[key]
+
+
+def _scores(q_packed: torch.Tensor, k_cache: torch.Tensor, scale: float, zero: torch.Tensor) -> torch.Tensor:
+    """``scale * q_packed @ K^T`` per KV head for ``q_packed`` [B, Hkv, M, D] float32 and
+    ``k_cache`` [B, Lmax, Hkv, D] float32, reading the cache in place: one batched GEMM when rows
+    and heads merge into one batch dimension (one row, or head-major storage as `KVCache` keeps
+    it), else one per head (merging would copy the cache; torch's CPU bmm over a batch that does
+    not merge falls back to a per-row loop). ``scale`` is the GEMM's own factor (``baddbmm`` with
+    ``beta=0`` ignores its 0-d ``zero`` input), so no scaled copy of q is made.
+    Returns [B, Hkv, M, Lmax], contiguous."""
+    B, H, M, D = q_packed.shape
+    Lmax = k_cache.shape[1]
+    s_b, s_l, s_h, s_d = k_cache.stride()
+    if B == 1 or s_b == H * s_h:
+        keys_t = k_cache.as_strided((B * H, D, Lmax), (s_h, s_d, s_l))
+        return torch.baddbmm(zero, q_packed.reshape(B * H, M, D), keys_t, beta=0, alpha=scale).view(B, H, M, Lmax)
+    out = q_packed.new_empty(B, H, M, Lmax)
     for h in range(H):
-        torch.baddbmm(zero, a_heads[h], b[:, h], beta=0, alpha=alpha, out=out[h])
-    return out.transpose(0, 1)
+        torch.baddbmm(zero, q_packed[:, h], k_cache[:, :, h].transpose(1, 2), beta=0, alpha=scale, out=out[:, h])
+    return out
 
 
 # On CPU, V is read in chunks of batch rows of about this size per torch thread, each zeroed
@@ -227,27 +292,43 @@ def _bmm_per_kv_head(a: torch.Tensor, b: torch.Tensor, alpha: float, zero: torch
 _V_CHUNK_BYTES = 1 << 19
 
 
-def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``probs @ V`` per KV head for ``probs`` [B, Hkv, M, Lmax] and ``v_cache`` [B, Lmax, Hkv, D],
-    with V's entries beyond each row's length zeroed first (``keep`` [B, 1, Lmax, 1] int32, -1 on
-    valid keys, 0 beyond): a NaN there would survive its zero weight. The zeroing is a bitwise
-    AND, exact for every valid value (torch.where took up to 10 x longer on CPU), written into
-    a head-major scratch buffer whatever V's layout, so one GEMM per chunk reads it.
-    Returns [B, Hkv, M, D] float32."""
+# Up to this many packed query rows per KV head, ``P V`` is computed as one weighted sum of V's
+# rows per query row (`embedding_bag`), reading V in place: each further row re-reads the head's
+# V from the core's cache, and from 8 rows on that cost more than the zeroed copy and one GEMM
+# (SmolLM2's shapes, 512 and 4096 keys, 1 thread: 0.4-0.9 x the copy's time at 1-6 rows,
+# 0.9-1.2 x at 8-10).
+_BAG_MAX_ROWS = 6
+
+
+def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: RaggedAttentionPlan) -> torch.Tensor:
+    """``probs @ V`` per KV head for ``probs`` [B, Hkv, M, Lmax] (exactly 0 on each row's keys
+    beyond its length) and ``v_cache`` [B, Lmax, Hkv, D]. What lies beyond a row's length is
+    never multiplied: a NaN there would survive its zero weight. With few query rows, the
+    positions beyond the length are pointed at row 0 of the same head instead
+    (`RaggedAttentionPlan.value_rows`) and each query row is one weighted sum of V's rows, read
+    in place. Otherwise V's entries beyond each length are zeroed by a bitwise AND (exact for
+    every valid value; torch.where took up to 10 x longer on CPU) into a head-major scratch
+    buffer, chunk by chunk, and multiplied by one GEMM per chunk. Returns [B, Hkv, M, D] float32."""
     B, Lmax, Hkv, D = v_cache.shape
     M = probs.shape[2]
-    v_bits = as_float32(v_cache).view(torch.int32).transpose(1, 2)             # [B, Hkv, Lmax, D]
-    rows = B
+    v = as_float32(v_cache)
+    if M <= _BAG_MAX_ROWS and v.stride(3) == 1 and all(stride % D == 0 for stride in v.stride()[:3]):
+        rows, span = plan.value_rows(tuple(stride // D for stride in v.stride()[:3]), Hkv, M)
+        table = v.as_strided((span, D), (D, 1))  # every D-vector of the cache, in storage order
+        return F.embedding_bag(rows, table, per_sample_weights=probs.view(-1, Lmax), mode="sum").view(B, Hkv, M, D)
+    keep = plan.value_keep()
+    v_bits = v.view(torch.int32).transpose(1, 2)                               # [B, Hkv, Lmax, D]
+    chunk = B
     if v_cache.device.type == "cpu":
-        rows = min(B, max(1, _V_CHUNK_BYTES * torch.get_num_threads() // (Hkv * Lmax * D * 4)))
-    if rows == B:  # one chunk: no slicing
+        chunk = min(B, max(1, _V_CHUNK_BYTES * torch.get_num_threads() // (Hkv * Lmax * D * 4)))
+    if chunk == B:  # one chunk: no slicing
         kept = torch.bitwise_and(v_bits, keep, out=v_bits.new_empty(B, Hkv, Lmax, D))
         return torch.bmm(probs.view(B * Hkv, M, Lmax), kept.view(torch.float32).view(B * Hkv, Lmax, D)
                          ).view(B, Hkv, M, D)
     out = probs.new_empty(B, Hkv, M, D)
-    scratch = v_bits.new_empty(rows, Hkv, Lmax, D)
-    for start in range(0, B, rows):
-        n = min(rows, B - start)
+    scratch = v_bits.new_empty(chunk, Hkv, Lmax, D)
+    for start in range(0, B, chunk):
+        n = min(chunk, B - start)
         kept = torch.bitwise_and(v_bits[start:start + n], keep[start:start + n], out=scratch[:n])
         torch.bmm(probs[start:start + n].view(n * Hkv, M, Lmax), kept.view(torch.float32).view(n * Hkv, Lmax, D),
                   out=out[start:start + n].view(n * Hkv, M, D))
@@ -260,17 +341,24 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     B, T, Hq, D = q.shape
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    hidden, keep, padding, zero = plan.torch_masks()
+    masks = plan.torch_masks()
     # Packed rows r = t * G + g of (row b, KV head h): its G query heads times the row's T queries.
-    q_packed = as_float32(q).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
-    scores = _bmm_per_kv_head(q_packed, as_float32(k_cache).permute(0, 2, 3, 1), scale, zero)  # [B, Hkv, T*G, Lmax]
-    # Hidden keys get -inf; this also replaces the NaN scores of NaN keys beyond a row's length.
-    probs = scores.view(B, Hkv, T, G, Lmax).masked_fill_(hidden, float("-inf")).softmax(-1)
-    out = _probs_times_values(probs.view(B, Hkv, T * G, Lmax), v_cache, keep)
-    out = out.view(B, Hkv, T, G, D).transpose(1, 2)                            # [B, T, Hkv, G, D]
-    if padding is not None:
-        out = out.masked_fill(padding, 0.0)
-    return out.reshape(B, T, Hq, D).to(q.dtype)
+    if T == 1:
+        q_packed = as_float32(q).reshape(B, Hkv, G, D)
+    else:
+        q_packed = as_float32(q).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
+    scores = _scores(q_packed, as_float32(k_cache), scale, masks.zero).view(B, Hkv, T, G, Lmax)
+    # Hidden keys get -inf (their bits ANDed to +0.0, then the bias added): also the NaN scores
+    # of NaN keys beyond a row's length.
+    scores.view(torch.int32).bitwise_and_(masks.score_keep)
+    probs = scores.add_(masks.score_bias).softmax(-1)
+    out = _probs_times_values(probs.view(B, Hkv, T * G, Lmax), v_cache, plan)   # [B, Hkv, T * G, D]
+    if T == 1:
+        return out.view(B, 1, Hq, D).to(q.dtype)
+    out = out.view(B, Hkv, T, G, D)
+    if masks.padding is not None:
+        out.masked_fill_(masks.padding, 0.0)
+    return out.transpose(1, 2).reshape(B, T, Hq, D).to(q.dtype)
 
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -116,11 +116,13 @@ CHUNK_CASES = [
 def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T, G, Hkv, D, Lmax, lengths,
                                       q_lens, dtype):
     """The CPU path multiplies V in chunks of batch rows once a cache is large; forced here on
-    small caches (one or two rows per chunk): same outputs, padding rows exactly zero, and the NaN
-    beyond each row's length (zeroed chunk by chunk in a reused buffer) never leaks."""
+    small caches (one or two rows per chunk, and for every row count: no weighted row sums):
+    same outputs, padding rows exactly zero, and the NaN beyond each row's length (zeroed chunk
+    by chunk in a reused buffer) never leaks."""
     import specdec_kernels.attention as attention
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(attention, "_BAG_MAX_ROWS", 0)
     monkeypatch.setattr(attention, "_V_CHUNK_BYTES", rows_per_chunk * Hkv * Lmax * D * 4)
     zeroings = []
     bitwise_and = torch.bitwise_and
@@ -132,6 +134,55 @@ def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T,
         k, v = (torch.cat([x, torch.full_like(x[:, :7], float("nan"))], 1)[:, :Lmax] for x in (k, v))
     out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
     assert len(zeroings) == math.ceil(B / rows_per_chunk)  # the chunked branch ran, chunk by chunk
+    assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
+    assert not out.isnan().any()
+    for b in range(B):
+        n = T if q_lens is None else q_lens[b]
+        assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
+
+
+# (B, T, G, Hkv, D, Lmax, cache_seqlens, q_seqlens, dtype): at most 6 packed query rows per KV head.
+BAG_CASES = [
+    pytest.param(4, 1, 3, 2, 64, 200, [1, 200, 77, 130], None, torch.float32, id="B4-T1-G3-ragged"),
+    pytest.param(3, 2, 3, 3, 64, 257, [2, 257, 100], [2, 1, 2], torch.float32, id="B3-T2-G3-ragged-q"),
+    pytest.param(2, 6, 1, 2, 80, 90, [6, 90], [6, 3], torch.bfloat16, id="B2-T6-G1-D80-bf16"),
+    pytest.param(2, 1, 4, 2, 128, 70, [70, 1], None, torch.float16, id="B2-T1-G4-D128-fp16"),
+]
+
+
+def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same [B, Lmax, Hkv, D] values stored another way."""
+    B, Lmax, Hkv, D = x.shape
+    if layout == "head_major":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "slice_of_longer":  # the first Lmax positions of a longer buffer, NaN after them
+        return torch.cat([x, torch.full_like(x[:, :7], float("nan"))], 1)[:, :Lmax]
+    if layout == "strided_head_dim":  # D values two apart
+        return torch.stack([x, torch.full_like(x, float("nan"))], -1)[..., 0]
+    if layout == "padded_positions":  # one spare element after each position: strides not multiples of D
+        padded = torch.full((B, Lmax, Hkv * D + 1), float("nan"), dtype=x.dtype)
+        padded[..., :-1] = x.flatten(2)
+        return padded[..., :-1].unflatten(-1, (Hkv, D))
+    return x
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major", "slice_of_longer", "strided_head_dim",
+                                    "padded_positions"])
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", BAG_CASES)
+def test_torch_path_weighted_row_sums(monkeypatch, layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+    """With few query rows per KV head, P V is one weighted sum of V's rows per query row, read
+    in place (`embedding_bag`), with the positions beyond each row's length pointed at its
+    position 0: equal to the reference, the NaN beyond the lengths never read. Caches whose
+    head_dim values are not contiguous, or whose strides are not multiples of D, take the zeroed
+    copy instead (in float32; other dtypes are widened to a dense copy first)."""
+    bags = []
+    embedding_bag = F.embedding_bag
+    monkeypatch.setattr(F, "embedding_bag", lambda *a, **k: bags.append(1) or embedding_bag(*a, **k))
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    out = ragged_attention(q, _layout(k, layout), _layout(v, layout), cache_seqlens, q_seqlens, backend="torch")
+    # A half-precision cache is widened to a float32 copy first, which is dense whatever the layout.
+    in_place_rows = layout not in ("strided_head_dim", "padded_positions") or dtype != torch.float32
+    assert len(bags) == int(in_place_rows)
     assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
     assert not out.isnan().any()
     for b in range(B):
