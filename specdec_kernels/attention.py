@@ -195,7 +195,7 @@ class RaggedAttentionPlan:
         self._masks: TorchMasks | None = None
         self._valid: torch.Tensor | None = None
         self._value_keep: torch.Tensor | None = None
-        self._value_rows: dict[tuple[tuple[int, int, int], int, int], tuple[torch.Tensor, int]] = {}
+        self._value_rows: dict[tuple[tuple[int, int, int], int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def check_call(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, T: int, Lmax: int) -> None:
         """Raise ValueError unless a call's lengths and shapes are the ones this plan was made for."""
@@ -239,26 +239,33 @@ class RaggedAttentionPlan:
         return self._value_keep
 
     def value_rows(self, v_strides: tuple[int, int, int], num_kv_heads: int, num_rows: int
-                   ) -> tuple[torch.Tensor, int]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The rows of V that the CPU path sums by `embedding_bag`, built once per layout.
 
         For a cache whose entries are rows of D contiguous values, ``v_strides`` are its strides
-        over (B, Lmax, Hkv) in units of such rows. Returns the row indices [B * Hkv * num_rows,
-        Lmax] (bag (b, h, m) lists V[b, l, h] for every position l; positions at or beyond row
-        b's length list V[b, 0, h] instead, which always exists and is then weighted 0, so what
-        lies beyond the length is never read) and the number of rows the indices span.
+        over (B, Lmax, Hkv) in units of such rows. Returns the bags' row indices, flat
+        [B * Hkv * num_rows * Lmax] (bag (b, h, m) lists V[b, l, h] for every position l;
+        positions at or beyond row b's length list V[b, 0, h] instead, which always exists, so
+        what lies beyond the length is never read; real query rows weight those positions 0,
+        padding rows are zeroed afterwards), the bags' offsets
+        [B * Hkv * num_rows], and the number of rows the indices span.
         """
         key = (v_strides, num_kv_heads, num_rows)
         if key not in self._value_rows:
             B, Lmax, H, device = self.batch_size, self.max_len, num_kv_heads, self.cache_seqlens.device
             s_b, s_l, s_h = v_strides
             span = (B - 1) * s_b + (Lmax - 1) * s_l + (H - 1) * s_h + 1
-            dtype = torch.int32 if span <= torch.iinfo(torch.int32).max else torch.int64
-            positions = torch.arange(0, Lmax * s_l, s_l, device=device, dtype=dtype).mul(self._valid_positions())
-            row_starts = torch.arange(0, B * s_b, s_b, device=device, dtype=dtype).view(B, 1, 1)
-            head_starts = torch.arange(0, H * s_h, s_h, device=device, dtype=dtype).view(1, H, 1)
-            rows = positions.view(B, 1, Lmax) + (row_starts + head_starts)                  # [B, H, Lmax]
-            self._value_rows[key] = (rows.unsqueeze(2).expand(B, H, num_rows, Lmax).reshape(-1, Lmax), span)
+            num_bags = B * H * num_rows
+            fits_int32 = max(span, num_bags * Lmax) <= torch.iinfo(torch.int32).max
+            dtype = torch.int32 if fits_int32 else torch.int64
+
+            def starts(n: int, stride: int) -> torch.Tensor:  # a stride may be 0 (an expanded cache)
+                return torch.arange(n, device=device, dtype=dtype).mul_(stride if n > 1 else 0)
+
+            positions = starts(Lmax, s_l) * self._valid_positions()                          # [B, Lmax]
+            rows = positions.view(B, 1, Lmax) + (starts(B, s_b).view(B, 1, 1) + starts(H, s_h).view(1, H, 1))
+            self._value_rows[key] = (rows.unsqueeze(2).expand(B, H, num_rows, Lmax).flatten(),  # [B, H, M, Lmax]
+                                     starts(num_bags, Lmax), span)
         return self._value_rows[key]
 
 
@@ -302,20 +309,21 @@ _BAG_MAX_ROWS = 6
 
 def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: RaggedAttentionPlan) -> torch.Tensor:
     """``probs @ V`` per KV head for ``probs`` [B, Hkv, M, Lmax] (exactly 0 on each row's keys
-    beyond its length) and ``v_cache`` [B, Lmax, Hkv, D]. What lies beyond a row's length is
-    never multiplied: a NaN there would survive its zero weight. With few query rows, the
-    positions beyond the length are pointed at row 0 of the same head instead
-    (`RaggedAttentionPlan.value_rows`) and each query row is one weighted sum of V's rows, read
-    in place. Otherwise V's entries beyond each length are zeroed by a bitwise AND (exact for
-    every valid value; torch.where took up to 10 x longer on CPU) into a head-major scratch
-    buffer, chunk by chunk, and multiplied by one GEMM per chunk. Returns [B, Hkv, M, D] float32."""
+    beyond its length, except in padding query rows, which are zeroed afterwards) and ``v_cache``
+    [B, Lmax, Hkv, D]. What lies beyond a row's length is never multiplied: a NaN there would
+    survive its zero weight. With few query rows, the positions beyond the length are pointed at
+    position 0 of the same row and head instead (`RaggedAttentionPlan.value_rows`) and each query
+    row is one weighted sum of V's rows, read in place. Otherwise V's entries beyond each length
+    are zeroed by a bitwise AND (exact for every valid value; torch.where took up to 10 x longer
+    on CPU) into a head-major scratch buffer, chunk by chunk, and multiplied by one GEMM per
+    chunk. Returns [B, Hkv, M, D] float32."""
     B, Lmax, Hkv, D = v_cache.shape
     M = probs.shape[2]
     v = as_float32(v_cache)
     if M <= _BAG_MAX_ROWS and v.stride(3) == 1 and all(stride % D == 0 for stride in v.stride()[:3]):
-        rows, span = plan.value_rows(tuple(stride // D for stride in v.stride()[:3]), Hkv, M)
+        rows, offsets, span = plan.value_rows(tuple(stride // D for stride in v.stride()[:3]), Hkv, M)
         table = v.as_strided((span, D), (D, 1))  # every D-vector of the cache, in storage order
-        return F.embedding_bag(rows, table, per_sample_weights=probs.view(-1, Lmax), mode="sum").view(B, Hkv, M, D)
+        return F.embedding_bag(rows, table, offsets, per_sample_weights=probs.view(-1), mode="sum").view(B, Hkv, M, D)
     keep = plan.value_keep()
     v_bits = v.view(torch.int32).transpose(1, 2)                               # [B, Hkv, Lmax, D]
     chunk = B

@@ -150,13 +150,20 @@ BAG_CASES = [
 ]
 
 
-def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """The same [B, Lmax, Hkv, D] values stored another way."""
+def _layout(x: torch.Tensor, layout: str, lengths: list[int]) -> torch.Tensor:
+    """The same [B, Lmax, Hkv, D] values stored another way (for the shared layouts, the values
+    of the longest row, or of the first head, in every row or head)."""
     B, Lmax, Hkv, D = x.shape
     if layout == "head_major":
         return x.transpose(1, 2).contiguous().transpose(1, 2)
-    if layout == "slice_of_longer":  # the first Lmax positions of a longer buffer, NaN after them
-        return torch.cat([x, torch.full_like(x[:, :7], float("nan"))], 1)[:, :Lmax]
+    if layout == "slice_of_longer":  # positions 3 .. Lmax + 2 of a longer buffer, NaN around them
+        nan = torch.full_like(x[:, :7], float("nan"))
+        return torch.cat([nan[:, :3], x, nan], 1)[:, 3:Lmax + 3]
+    if layout == "shared_by_rows":  # one row's cache expanded over the batch (stride 0)
+        longest = lengths.index(max(lengths))
+        return x[longest:longest + 1].expand(B, -1, -1, -1)
+    if layout == "shared_by_heads":  # one KV head expanded over the heads (stride 0)
+        return x[:, :, :1].expand(-1, -1, Hkv, -1)
     if layout == "strided_head_dim":  # D values two apart
         return torch.stack([x, torch.full_like(x, float("nan"))], -1)[..., 0]
     if layout == "padded_positions":  # one spare element after each position: strides not multiples of D
@@ -166,20 +173,22 @@ def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("layout", ["token_major", "head_major", "slice_of_longer", "strided_head_dim",
-                                    "padded_positions"])
+@pytest.mark.parametrize("layout", ["token_major", "head_major", "slice_of_longer", "shared_by_rows",
+                                    "shared_by_heads", "strided_head_dim", "padded_positions"])
 @pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", BAG_CASES)
 def test_torch_path_weighted_row_sums(monkeypatch, layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
     """With few query rows per KV head, P V is one weighted sum of V's rows per query row, read
     in place (`embedding_bag`), with the positions beyond each row's length pointed at its
-    position 0: equal to the reference, the NaN beyond the lengths never read. Caches whose
+    position 0: equal to the reference, the NaN beyond the lengths never read, for caches at an
+    offset in a longer buffer and caches expanded over rows or heads (stride 0). Caches whose
     head_dim values are not contiguous, or whose strides are not multiples of D, take the zeroed
     copy instead (in float32; other dtypes are widened to a dense copy first)."""
     bags = []
     embedding_bag = F.embedding_bag
     monkeypatch.setattr(F, "embedding_bag", lambda *a, **k: bags.append(1) or embedding_bag(*a, **k))
     q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
-    out = ragged_attention(q, _layout(k, layout), _layout(v, layout), cache_seqlens, q_seqlens, backend="torch")
+    k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
+    out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
     # A half-precision cache is widened to a float32 copy first, which is dense whatever the layout.
     in_place_rows = layout not in ("strided_head_dim", "padded_positions") or dtype != torch.float32
     assert len(bags) == int(in_place_rows)
@@ -262,10 +271,11 @@ def test_auto_on_cpu_is_torch_path():
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
-def test_no_host_sync(backend_name):
+@pytest.mark.parametrize("T", [5, 2], ids=["T5-zeroed-copy", "T2-row-sums"])
+def test_no_host_sync(backend_name, T):
     if backend_name == "triton":
         pytest.importorskip("triton")
-    q, k, v, cache_seqlens, q_seqlens = make_inputs(3, 5, 3, 2, 64, 100, [100, 5, 60], [5, 1, 4])
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(3, T, 3, 2, 64, 100, [100, 5, 60], [T, 1, 2])
     ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend=backend_name)  # compile outside the counter
     with SyncCounter() as syncs:
         ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend=backend_name)
