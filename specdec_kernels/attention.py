@@ -243,12 +243,14 @@ class RaggedAttentionPlan:
         """The rows of V that the CPU path sums by `embedding_bag`, built once per layout.
 
         For a cache whose entries are rows of D contiguous values, ``v_strides`` are its strides
-        over (B, Lmax, Hkv) in units of such rows. Returns the bags' row indices, flat
-        [B * Hkv * num_rows * Lmax] (bag (b, h, m) lists V[b, l, h] for every position l;
-        positions at or beyond row b's length list V[b, 0, h] instead, which always exists, so
-        what lies beyond the length is never read; real query rows weight those positions 0,
-        padding rows are zeroed afterwards), the bags' offsets
-        [B * Hkv * num_rows], and the number of rows the indices span.
+        over (B, Lmax, Hkv) in units of such rows. Returns three things:
+
+        - the bags' row indices, flat [B * Hkv * num_rows * Lmax]: bag (b, h, m) lists V[b, l, h]
+          for every position l, except that positions at or beyond row b's length list V[b, 0, h]
+          (which always exists), so what lies beyond a length is never read (real query rows
+          weight those positions 0; padding rows are zeroed afterwards);
+        - the bags' offsets [B * Hkv * num_rows];
+        - the number of rows the indices span.
         """
         key = (v_strides, num_kv_heads, num_rows)
         if key not in self._value_rows:
@@ -301,9 +303,9 @@ _V_CHUNK_BYTES = 1 << 19
 
 # Up to this many packed query rows per KV head, ``P V`` is computed as one weighted sum of V's
 # rows per query row (`embedding_bag`), reading V in place: each further row re-reads the head's
-# V from the core's cache, and from 8 rows on that cost more than the zeroed copy and one GEMM
-# (SmolLM2's shapes, 512 and 4096 keys, 1 thread: 0.4-0.9 x the copy's time at 1-6 rows,
-# 0.9-1.2 x at 8-10).
+# V from the core's cache, and from 8 rows on that saved little or cost more than the zeroed copy
+# and one GEMM (SmolLM2's heads, 576 and 4160 keys, B 1 and 8, 1 thread: 0.2-1.1 x the copy's
+# time at 1-6 rows, 0.9-1.2 x at 8-10).
 _BAG_MAX_ROWS = 6
 
 
