@@ -420,6 +420,21 @@ def test_plan_shared_by_layers_equals_one_call_each(backend, B, T, G, Hkv, D, Lm
         assert torch.equal(out, ragged_attention(q_l, k_l, v_l, cache_seqlens, q_seqlens, backend=backend))
 
 
+def test_plan_shared_by_caches_of_other_layouts_and_heads():
+    """One plan serves caches of other layouts, head counts and head dims (its CPU row indices
+    are kept per layout): each call equals the reference, with NaN beyond every length."""
+    lengths, q_lens = [1, 40, 23], [1, 2, 2]
+    cache_seqlens, q_seqlens = torch.tensor(lengths), torch.tensor(q_lens)
+    plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=2, max_len=40)
+    for G, Hkv, D, layout in [(3, 2, 64, "head_major"), (3, 2, 64, "token_major"), (1, 3, 80, "head_major"),
+                              (2, 1, 64, "shared_by_rows"), (3, 2, 64, "head_major")]:
+        q, k, v, _, _ = make_inputs(3, 2, G, Hkv, D, 40, lengths, q_lens)
+        k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
+        out = ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, backend="torch", plan=plan)
+        assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), torch.float32)
+        assert not out.isnan().any()
+
+
 def test_plan_checks_lengths_once_and_rejects_another_call():
     q, k, v, cache_seqlens, q_seqlens = make_inputs(3, 5, 3, 3, 64, 257, [5, 257, 100], [5, 1, 3])
     with pytest.raises(ValueError, match="q_seqlens must lie in 1..T=4"):
