@@ -57,6 +57,36 @@ def reference_fp32(q, k, v, cache_seqlens, q_seqlens):
     return ragged_attention(q.float(), k.float(), v.float(), cache_seqlens, q_seqlens, backend="reference")
 
 
+def _layout(x: torch.Tensor, layout: str, lengths: list[int]) -> torch.Tensor:
+    """The same [B, Lmax, Hkv, D] values stored another way (for the shared layouts, the values
+    of the longest row, or of the first head, in every row or head)."""
+    B, Lmax, Hkv, D = x.shape
+    if layout == "head_major":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "slice_of_longer":  # positions 3 .. Lmax + 2 of a longer buffer, NaN around them
+        nan = torch.full_like(x[:, :7], float("nan"))
+        return torch.cat([nan[:, :3], x, nan], 1)[:, 3:Lmax + 3]
+    if layout == "shared_by_rows":  # one row's cache expanded over the batch (stride 0)
+        longest = lengths.index(max(lengths))
+        return x[longest:longest + 1].expand(B, -1, -1, -1)
+    if layout == "shared_by_heads":  # one KV head expanded over the heads (stride 0)
+        return x[:, :, :1].expand(-1, -1, Hkv, -1)
+    if layout == "strided_head_dim":  # D values two apart
+        return torch.stack([x, torch.full_like(x, float("nan"))], -1)[..., 0]
+    if layout == "padded_positions":  # one spare element after each position: strides not multiples of D
+        padded = torch.full((B, Lmax, Hkv * D + 1), float("nan"), dtype=x.dtype)
+        padded[..., :-1] = x.flatten(2)
+        return padded[..., :-1].unflatten(-1, (Hkv, D))
+    return x
+
+
+def assert_padding_rows_zero(out: torch.Tensor, T: int, q_lens: list[int] | None) -> None:
+    """Query rows past each row's q_seqlens are exactly zero."""
+    for b in range(out.shape[0]):
+        n = T if q_lens is None else q_lens[b]
+        assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
+
+
 # (B, T, G, Hkv, D, Lmax, cache_seqlens, q_seqlens, dtype)
 CASES = [
     pytest.param(1, 1, 1, 1, 64, 16, [1], None, torch.float32, id="B1-T1-G1-D64-L1"),
@@ -83,9 +113,7 @@ def test_matches_reference(backend, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtyp
     else:
         expected = reference_fp32(q, k, v, cache_seqlens, q_seqlens)
     assert_close(out, expected, dtype)
-    if q_lens is not None:  # padding rows are exactly zero
-        for b in range(B):
-            assert torch.equal(out[b, q_lens[b]:], torch.zeros_like(out[b, q_lens[b]:]))
+    assert_padding_rows_zero(out, T, q_lens)
 
 
 @pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", CASES[:5] + CASES[7:8])
@@ -93,7 +121,7 @@ def test_head_major_cache_layout(backend, B, T, G, Hkv, D, Lmax, lengths, q_lens
     """Caches stored [B, Hkv, Lmax, D] (as `KVCache` keeps them) and passed as [B, Lmax, Hkv, D]
     views take the CPU path's merged-batch bmm; NaN beyond each row's length still never leaks."""
     q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
-    k_hm, v_hm = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    k_hm, v_hm = (_layout(x, "head_major", lengths) for x in (k, v))
     out = ragged_attention(q, k_hm, v_hm, cache_seqlens, q_seqlens, backend=backend)
     assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
     assert not out.isnan().any()
@@ -128,17 +156,12 @@ def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T,
     bitwise_and = torch.bitwise_and
     monkeypatch.setattr(torch, "bitwise_and", lambda *a, **k: zeroings.append(1) or bitwise_and(*a, **k))
     q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
-    if layout == "head_major":
-        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
-    elif layout == "slice_of_longer":  # a view of the first Lmax positions of a longer buffer
-        k, v = (torch.cat([x, torch.full_like(x[:, :7], float("nan"))], 1)[:, :Lmax] for x in (k, v))
+    k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
     out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
     assert len(zeroings) == math.ceil(B / rows_per_chunk)  # the chunked branch ran, chunk by chunk
     assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
     assert not out.isnan().any()
-    for b in range(B):
-        n = T if q_lens is None else q_lens[b]
-        assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
+    assert_padding_rows_zero(out, T, q_lens)
 
 
 # (B, T, G, Hkv, D, Lmax, cache_seqlens, q_seqlens, dtype): at most 6 packed query rows per KV head.
@@ -148,29 +171,6 @@ BAG_CASES = [
     pytest.param(2, 6, 1, 2, 80, 90, [6, 90], [6, 3], torch.bfloat16, id="B2-T6-G1-D80-bf16"),
     pytest.param(2, 1, 4, 2, 128, 70, [70, 1], None, torch.float16, id="B2-T1-G4-D128-fp16"),
 ]
-
-
-def _layout(x: torch.Tensor, layout: str, lengths: list[int]) -> torch.Tensor:
-    """The same [B, Lmax, Hkv, D] values stored another way (for the shared layouts, the values
-    of the longest row, or of the first head, in every row or head)."""
-    B, Lmax, Hkv, D = x.shape
-    if layout == "head_major":
-        return x.transpose(1, 2).contiguous().transpose(1, 2)
-    if layout == "slice_of_longer":  # positions 3 .. Lmax + 2 of a longer buffer, NaN around them
-        nan = torch.full_like(x[:, :7], float("nan"))
-        return torch.cat([nan[:, :3], x, nan], 1)[:, 3:Lmax + 3]
-    if layout == "shared_by_rows":  # one row's cache expanded over the batch (stride 0)
-        longest = lengths.index(max(lengths))
-        return x[longest:longest + 1].expand(B, -1, -1, -1)
-    if layout == "shared_by_heads":  # one KV head expanded over the heads (stride 0)
-        return x[:, :, :1].expand(-1, -1, Hkv, -1)
-    if layout == "strided_head_dim":  # D values two apart
-        return torch.stack([x, torch.full_like(x, float("nan"))], -1)[..., 0]
-    if layout == "padded_positions":  # one spare element after each position: strides not multiples of D
-        padded = torch.full((B, Lmax, Hkv * D + 1), float("nan"), dtype=x.dtype)
-        padded[..., :-1] = x.flatten(2)
-        return padded[..., :-1].unflatten(-1, (Hkv, D))
-    return x
 
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major", "slice_of_longer", "shared_by_rows",
@@ -194,9 +194,7 @@ def test_torch_path_weighted_row_sums(monkeypatch, layout, B, T, G, Hkv, D, Lmax
     assert len(bags) == int(in_place_rows)
     assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
     assert not out.isnan().any()
-    for b in range(B):
-        n = T if q_lens is None else q_lens[b]
-        assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
+    assert_padding_rows_zero(out, T, q_lens)
 
 
 def test_torch_path_ignores_default_dtype():
