@@ -87,6 +87,21 @@ def assert_padding_rows_zero(out: torch.Tensor, T: int, q_lens: list[int] | None
         assert torch.equal(out[b, n:], torch.zeros_like(out[b, n:]))
 
 
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """Record each call of ``owner.<name>`` (which still runs) in the returned list."""
+    calls, original = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def torch_path_on_layout(layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+    """`make_inputs` with the cache stored in ``layout`` (`_layout`), and the torch path's output:
+    ``(q, k, v, cache_seqlens, q_seqlens, out)``."""
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
+    return q, k, v, cache_seqlens, q_seqlens, ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
+
+
 # (B, T, G, Hkv, D, Lmax, cache_seqlens, q_seqlens, dtype)
 CASES = [
     pytest.param(1, 1, 1, 1, 64, 16, [1], None, torch.float32, id="B1-T1-G1-D64-L1"),
@@ -152,12 +167,8 @@ def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T,
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(attention, "_BAG_MAX_ROWS", 0)
     monkeypatch.setattr(attention, "_V_CHUNK_BYTES", rows_per_chunk * Hkv * Lmax * D * 4)
-    zeroings = []
-    bitwise_and = torch.bitwise_and
-    monkeypatch.setattr(torch, "bitwise_and", lambda *a, **k: zeroings.append(1) or bitwise_and(*a, **k))
-    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
-    k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
-    out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
+    zeroings = count_calls(monkeypatch, torch, "bitwise_and")
+    q, k, v, cache_seqlens, q_seqlens, out = torch_path_on_layout(layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
     assert len(zeroings) == math.ceil(B / rows_per_chunk)  # the chunked branch ran, chunk by chunk
     assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
     assert not out.isnan().any()
@@ -183,12 +194,8 @@ def test_torch_path_weighted_row_sums(monkeypatch, layout, B, T, G, Hkv, D, Lmax
     offset in a longer buffer and caches expanded over rows or heads (stride 0). Caches whose
     head_dim values are not contiguous, or whose strides are not multiples of D, take the zeroed
     copy instead (in float32; other dtypes are widened to a dense copy first)."""
-    bags = []
-    embedding_bag = F.embedding_bag
-    monkeypatch.setattr(F, "embedding_bag", lambda *a, **k: bags.append(1) or embedding_bag(*a, **k))
-    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
-    k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
-    out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch")
+    bags = count_calls(monkeypatch, F, "embedding_bag")
+    q, k, v, cache_seqlens, q_seqlens, out = torch_path_on_layout(layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
     # A half-precision cache is widened to a float32 copy first, which is dense whatever the layout.
     in_place_rows = layout not in ("strided_head_dim", "padded_positions") or dtype != torch.float32
     assert len(bags) == int(in_place_rows)
