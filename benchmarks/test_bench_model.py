@@ -4,9 +4,10 @@
   matmuls read), for ``rows`` = B * T activation rows, computed weight first (``weight @ x^T``,
   what `specdec_kernels.model.linear` does on the CPU for 4 to 63 rows) and as ``F.linear``
   (``x @ weight^T``, what it does for 1 to 3 rows and for 64 or more: 102 and 816 rows are the
-  generation benchmark's batch-1 and batch-8 prompts, padded), and by MKL's packed GEMM from
-  weights packed once (``mkl_packed``, at every row count: what `Linear` runs from 4 rows on
-  after ``Llama.pack_weights()``).
+  generation benchmark's batch-1 and batch-8 prompts, padded), as ``F.linear`` on the weights
+  stored input-major (``F.linear_input_major``: what `Linear` runs for one row after
+  ``Llama.pack_weights()``), and by MKL's packed GEMM from weights packed once (``mkl_packed``, at
+  every row count: what `Linear` runs from 2 rows on after ``Llama.pack_weights()``).
 - ``test_rms_norm``: ``F.rms_norm`` (what `RMSNorm` runs in fp32; a composite of about ten ops
   on the CPU) against Hugging Face's LlamaRMSNorm ops spelled out (``pow``, ``mean``, ``add``,
   ``rsqrt``, two ``mul``), at 1 and 8 rows (decoding) and 816 (a batch-8 prefill of 102 tokens).
@@ -53,9 +54,9 @@ def weights():
     return smollm2_weights()
 
 
-# impl is the top decorator, so it varies fastest: the three forms of one row count run one after
+# impl is the top decorator, so it varies fastest: the four forms of one row count run one after
 # another (the shared machine's load drifts over minutes).
-@pytest.mark.parametrize("impl", ["weight_first", "F.linear", "mkl_packed"])
+@pytest.mark.parametrize("impl", ["weight_first", "F.linear", "F.linear_input_major", "mkl_packed"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 40, 64, 102, 816])
 def test_matmuls(benchmark, weights, impl, rows):
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
@@ -63,7 +64,7 @@ def test_matmuls(benchmark, weights, impl, rows):
     # Same product, summed in another order (entries are sums of 576 unit-variance terms, ~24).
     torch.testing.assert_close(weight_first(inputs[576], weights[0]), F.linear(inputs[576], weights[0]),
                                rtol=1e-5, atol=1e-4)
-    if impl == "mkl_packed":  # the packed GEMM itself at every row count (`Linear` uses it from 4 rows)
+    if impl == "mkl_packed":  # the packed GEMM itself at every row count (`Linear` uses it from 2 rows)
         if not mkl_packing_available():
             pytest.skip("this torch build has no MKL")
         # Packed here, under the benchmark's thread count (MKL packs for it), as `Linear.pack` does.
@@ -76,6 +77,8 @@ def test_matmuls(benchmark, weights, impl, rows):
                 mkl_packed_linear(inputs[w.shape[1]], p, w)
     else:
         matmul = weight_first if impl == "weight_first" else F.linear
+        if impl == "F.linear_input_major":
+            weights = [w.t().contiguous().t() for w in weights]
 
         def one_pass():
             for w in weights:

@@ -123,7 +123,7 @@ def run_demo(args: argparse.Namespace) -> int:
         _progress(0, 1, "loading SmolLM2-135M-Instruct")
         model, tokenizer = load_smollm2(device=args.device)
         if model.can_pack_weights():
-            model.pack_weights()  # MKL's packed GEMM: faster matmuls from 4 rows, one more copy in memory
+            model.pack_weights()  # packed GEMM, input-major weights: faster matmuls, one more copy
         _progress(1, 1, "model loaded")
     except ModelNotInstalledError as e:
         print(f"\n{e}", file=sys.stderr)

@@ -102,9 +102,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # for 64 rows, SmolLM2-135M's weights ran 1.1-1.6 x faster than with the best unpacked form from
 # 4 to 102 rows and 5% slower at 816 (benchmarks/test_bench_model.py::test_matmuls, two runs),
 # as fast at 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up (a scratch
-# script, 2026-11-22). Below 4 rows `linear` runs MKL's own one-row kernels.
+# script, 2026-11-22).
 _PACK_ROWS = 64
-_MIN_PACKED_ROWS = 4
+# One row (decoding a single sequence) is a matrix-vector product that streams the weight once:
+# MKL ran it faster from an input-major weight ([in, out] in memory, so ``x @ W^T`` adds scaled
+# rows of W^T; ``F.linear`` on ``W^T``'s transposed view) than from the [out, in] rows: over
+# SmolLM2-135M's weights 36-42 against 41-46 ms, but 83-88 against 40-50 ms at 2 and 3 rows
+# (2 threads, three interleaved scratch runs, 2026-11-22). So a packed `Linear` keeps its weight
+# input-major, runs one row by ``F.linear`` on it and every other row count by the packed GEMM,
+# which took 43-52 ms at 2 and 3 rows.
+_MIN_PACKED_ROWS = 2
 
 
 def mkl_packing_available() -> bool:
@@ -134,12 +141,26 @@ def _weight_identity(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), version, weight.dtype, weight.device, weight.shape, weight.stride()
 
 
+def _store_weight(weight: torch.Tensor, *, input_major: bool) -> None:
+    """Store ``weight`` [out, in] input-major (``weight.t()`` contiguous) or row-major, in place of
+    its data (a parameter stays the same object, tied weights stay tied; values are unchanged)."""
+    if (weight.t() if input_major else weight).is_contiguous():
+        return
+    # An inference tensor stays one (it has no version counter), any other never becomes one.
+    with torch.inference_mode(weight.is_inference()), torch.no_grad():
+        stored = torch.empty_like(weight.t() if input_major else weight, memory_format=torch.contiguous_format)
+        stored.copy_(weight.t() if input_major else weight)
+    weight.data = stored.t() if input_major else stored
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` without bias, computed by `linear`; or, after `pack`, by MKL's packed GEMM
-    from a copy of the weight in MKL's layout, for CPU float32 inputs of 4 rows or more without
-    autograd. The copy is not a parameter or buffer (``state_dict`` ignores it; ``.to()`` and
-    the like drop it); it is made again from the weight at the first use after the weight has
-    changed, and copies of the module (``copy.deepcopy``, pickling) make their own."""
+    from a copy of the weight in MKL's layout, for CPU float32 inputs of 2 rows or more without
+    autograd, and by ``F.linear`` on the weight stored input-major for one row (see
+    `_MIN_PACKED_ROWS`). The copy is not a parameter or buffer (``state_dict`` ignores it;
+    ``.to()`` and the like drop it); it is made again from the weight at the first use after the
+    weight has changed, and copies of the module (``copy.deepcopy``, pickling) make their own.
+    `unpack` stores the weight row-major again."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
@@ -158,14 +179,16 @@ class Linear(nn.Linear):
             raise RuntimeError("packing needs a torch build with MKL (torch.backends.mkl.is_available())")
 
     def pack(self) -> None:
-        """Use MKL's packed GEMM from now on (see `Llama.pack_weights`)."""
+        """Use MKL's packed GEMM from now on, the weight stored input-major (see `Llama.pack_weights`)."""
         self.check_packable()
         self.packing = True
+        _store_weight(self.weight, input_major=True)
         self._packed = (_weight_identity(self.weight), self.weight.detach(), mkl_pack(self.weight))
 
     def unpack(self) -> None:
-        """Drop the packed copy: every input is then computed by `linear`."""
+        """Drop the packed copy and store the weight row-major: every input is then computed by `linear`."""
         self.packing, self._packed = False, None
+        _store_weight(self.weight, input_major=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, rows = self.weight, x.numel() // max(x.shape[-1], 1)
@@ -189,7 +212,8 @@ class Linear(nn.Linear):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.packing = self.packing and mkl_packing_available()  # unpickled where torch has no MKL
+        if self.packing and not mkl_packing_available():  # unpickled where torch has no MKL
+            self.unpack()
 
 
 class RMSNorm(nn.Module):
@@ -467,11 +491,14 @@ class Llama(nn.Module):
         ``SPECDEC_BENCH_THREADS=2 python -m pytest benchmarks/test_bench_model.py -k matmuls``),
         a forward's matmuls ran 1.1-1.4 x faster than the best unpacked form at 4, 5 and 8 rows
         (decoding batches, verifying drafts), 1.1-1.6 x at 40 to 102 rows, and 5% slower at 816.
-        At 1 to 3 rows the packed GEMM was no faster, and `linear` is kept. The copies add
-        about one more copy of those weights to the resident memory (MKL reserves more address
-        space than it touches). MKL packs for the current number of torch threads (for its
-        speed; results do not depend on it): call this method again after changing it.
-        Forwards on other devices or dtypes, or with autograd, are unchanged. A weight replaced or changed in place
+        At 2 and 3 rows it is about as fast as ``F.linear``. Each weight itself is stored
+        input-major (``weight.t()`` contiguous; the parameters keep their shapes, values and ties),
+        which made one-row products (decoding one sequence) faster (see `_MIN_PACKED_ROWS`);
+        ``pack_weights(False)`` stores them row-major again. The copies add about one more copy
+        of those weights to the resident memory (MKL reserves more address space than it
+        touches). MKL packs for the current number of torch threads (for its speed; results do
+        not depend on it): call this method again after changing it. Forwards on other devices
+        or dtypes, or with autograd, are unchanged. A weight replaced or changed in place
         afterwards is packed again at its next use (a change made through ``.data``, or in place
         to a weight created under ``torch.inference_mode``, is not seen: call this method
         again); ``.to()`` drops the copies, which are made again at the next CPU float32 use.

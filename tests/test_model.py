@@ -283,9 +283,11 @@ def test_packed_linear_matches_f_linear_at_every_row_count(rows, features):
     n_in, n_out = features
     layer = Linear(n_in, n_out).requires_grad_(False)
     layer.weight.copy_(torch.randn(n_out, n_in, generator=gen))
+    weight = layer.weight.detach().clone()
     layer.pack()
+    assert layer.weight.t().is_contiguous() and torch.equal(layer.weight, weight)  # stored input-major
     x = torch.randn(rows, 1, n_in, generator=gen)
-    assert mkl_linear_calls(lambda: layer(x)) == (1 if rows >= 4 else 0)
+    assert mkl_linear_calls(lambda: layer(x)) == (1 if rows >= 2 else 0)
     out = layer(x)
     assert out.shape == (rows, 1, n_out)
     torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
@@ -306,9 +308,32 @@ def test_packed_weights_give_the_unpacked_results(B, T):
             cache = m.new_cache(B, 6 + T)
             m(ids[:, :6], cache)
             logits.append(m(ids[:, 6:], cache, q_seqlens))
-        # Every matmul (2 layers x 4, plus the head) is packed from 4 rows on, none below.
-        assert mkl_linear_calls(lambda: packed(ids[:, :T], packed.new_cache(B, T))) == (9 if B * T >= 4 else 0)
+        # Every matmul (2 layers x 4, plus the head) is packed from 2 rows on; one row runs F.linear.
+        assert mkl_linear_calls(lambda: packed(ids[:, :T], packed.new_cache(B, T))) == (9 if B * T >= 2 else 0)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_packing_stores_weights_input_major_and_unpacking_row_major():
+    model, unpacked = tiny_llama(seed=5, tie_word_embeddings=True), tiny_llama(seed=5, tie_word_embeddings=True)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    model.pack_weights()
+    assert all(m.weight.t().is_contiguous() for m in layers)
+    assert model.output.weight is model.tok_embeddings.weight  # still tied: one parameter, stored anew
+    state, unpacked_state = model.state_dict(), unpacked.state_dict()
+    assert all(torch.equal(state[name], unpacked_state[name]) for name in unpacked_state)
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        logits = []
+        for m in (model, unpacked):
+            cache = m.new_cache(1, 7)
+            m(ids[:, :6], cache)
+            logits.append(m(ids[:, 6:], cache))  # one row: F.linear on the input-major weights
+        assert mkl_linear_calls(lambda: model(ids[:, :1], model.new_cache(1, 1))) == 0
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    model.pack_weights(False)
+    assert all(m.weight.is_contiguous() for m in layers)
+    assert model.output.weight is model.tok_embeddings.weight
 
 
 @needs_mkl
@@ -376,7 +401,7 @@ def test_a_packed_model_unpickled_without_mkl_runs_unpacked(monkeypatch):
     buffer.seek(0)
     monkeypatch.setattr(specdec_kernels.model, "mkl_packing_available", lambda: False)
     model = torch.load(buffer, weights_only=False)
-    assert not model.output.packing
+    assert not model.output.packing and model.output.weight.is_contiguous()  # row-major again
     ids = torch.randint(0, 97, (2, 5))
     with torch.inference_mode():
         assert mkl_linear_calls(lambda: model(ids, model.new_cache(2, 5))) == 0
