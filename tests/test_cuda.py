@@ -57,6 +57,25 @@ def test_attention_matches_reference(split, B, T, G, Hkv, D, Lmax, lengths, q_le
     assert_close(out.cpu(), reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
 
 
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", ATTENTION_CASES)
+def test_torch_attention_path_on_cuda_matches_reference(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+    # The CPU path is written for any device: its row sums (embedding_bag with int32 indices, at
+    # most 6 packed rows) and its zeroed-copy GEMM (more rows) on CUDA tensors, sync-free.
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    args = cuda(q, k, v, cache_seqlens, q_seqlens)
+    ragged_attention(*args, backend="torch")  # warm-up: first calls may synchronize to allocate
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # CUDA's own detector, inside torch's ops too
+    try:
+        with SyncCounter() as syncs:
+            out = ragged_attention(*args, backend="torch")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert syncs.count == 0, syncs.events
+    assert out.is_cuda and out.dtype == dtype
+    assert_close(out.cpu(), reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
+
+
 def test_attention_and_cache_append_are_sync_free():
     B, T, Hkv, D = 3, 5, 2, 64
     cache = KVCache(1, B, 64, Hkv, D, dtype=torch.float16, device="cuda")
