@@ -82,16 +82,23 @@ def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 def _check_ragged_attention_lengths(cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None,
-                                    T: int, Lmax: int) -> None:
-    """Device-side (sync-free) check of the length values; see `device_check`."""
-    cache_message = (f"cache_seqlens must lie in {'q_seqlens' if q_seqlens is not None else f'T={T}'}"
-                     f"..Lmax={Lmax} for every row (it counts the new tokens, already in the cache)")
+                                    T: int, Lmax: int, min_seqlen: int | None = None) -> None:
+    """Device-side (sync-free) check of the length values; see `device_check`. ``min_seqlen``:
+    a host lower bound on ``cache_seqlens`` to check too (`RaggedAttentionPlan`)."""
+    low = "q_seqlens" if q_seqlens is not None else f"T={T}"
+    if min_seqlen is not None:
+        low = f"max({low}, min_seqlen={min_seqlen})"
+    cache_message = (f"cache_seqlens must lie in {low}..Lmax={Lmax} for every row (it counts the new "
+                     f"tokens, already in the cache)")
     q_message = f"q_seqlens must lie in 1..T={T} for every row"
     if q_seqlens is None:
-        device_check(((cache_seqlens >= T) & (cache_seqlens <= Lmax)).all(), cache_message)
+        low_bound = T if min_seqlen is None else max(T, min_seqlen)
+        device_check(((cache_seqlens >= low_bound) & (cache_seqlens <= Lmax)).all(), cache_message)
         return
     q_ok = (q_seqlens >= 1) & (q_seqlens <= T)
     cache_ok = (cache_seqlens >= q_seqlens) & (cache_seqlens <= Lmax)
+    if min_seqlen is not None:
+        cache_ok &= cache_seqlens >= min_seqlen
     try:  # one check on the hot path; on CPU a failure is then attributed to its argument
         device_check((q_ok & cache_ok).all(), f"{q_message}; {cache_message}")
     except DeviceCheckError:
@@ -123,14 +130,12 @@ class TorchMasks(NamedTuple):
     - ``score_bias`` [B, 1, T, 1, Lmax] float32: 0 on visible keys, -inf on hidden ones, added next
       (an AND and an add took 0.2-0.4 x a broadcast ``masked_fill_``'s time on CPU);
     - ``padding`` [B, 1, T, 1, 1] bool: query rows past q_seqlens (None without q_seqlens or with
-      T = 1);
-    - ``zero``: a 0-d float32 zero (the ignored input of ``baddbmm(beta=0)``).
+      T = 1).
     """
 
     score_keep: torch.Tensor
     score_bias: torch.Tensor
     padding: torch.Tensor | None
-    zero: torch.Tensor
 
 
 _NEG_INF_BITS = -(1 << 23)  # 0xFF800000: float32 -inf as an int32
@@ -154,6 +159,11 @@ class RaggedAttentionPlan:
         q_seqlens: [B] integer tensor or None, as in `ragged_attention`.
         num_queries: T, the query length of the calls.
         max_len: Lmax, the cache length of the calls.
+        min_seqlen: an int <= every row's ``cache_seqlens``, when the caller knows one on the host
+            (checked on the device with the lengths). When it equals ``max_len``, no row has keys
+            beyond its length: the CPU path then multiplies V in place, and with T = 1 applies
+            no mask at all (a batch of one row whose cache view ends at its length, as the
+            decoding loops pass it).
 
     Raises:
         ValueError: bad shapes or dtypes (host), or out-of-range values (`DeviceCheckError` on
@@ -161,7 +171,7 @@ class RaggedAttentionPlan:
     """
 
     def __init__(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
-                 num_queries: int, max_len: int) -> None:
+                 num_queries: int, max_len: int, min_seqlen: int | None = None) -> None:
         if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dim() != 1:
             raise ValueError(f"cache_seqlens must be a [B] integer tensor, got "
                              f"{getattr(cache_seqlens, 'shape', type(cache_seqlens).__name__)}")
@@ -170,12 +180,16 @@ class RaggedAttentionPlan:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if max_len < num_queries:
             raise ValueError(f"max_len={max_len} must be >= num_queries={num_queries}")
+        if min_seqlen is not None and (not isinstance(min_seqlen, int) or isinstance(min_seqlen, bool)
+                                       or not 1 <= min_seqlen <= max_len):
+            raise ValueError(f"min_seqlen must be None or an int in 1..max_len={max_len}, got {min_seqlen!r}")
         B, device = cache_seqlens.shape[0], cache_seqlens.device
         check_lengths_tensor("cache_seqlens", cache_seqlens, B, device, on=str(device))
         if q_seqlens is not None:
             check_lengths_tensor("q_seqlens", q_seqlens, B, device, on=f"{device} like cache_seqlens")
         # Private copies: the masks are built from these values once, so they must not change.
-        self._setup(cache_seqlens.clone(), None if q_seqlens is None else q_seqlens.clone(), num_queries, max_len)
+        self._setup(cache_seqlens.clone(), None if q_seqlens is None else q_seqlens.clone(), num_queries, max_len,
+                    min_seqlen)
 
     @classmethod
     def _for_one_call(cls, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, num_queries: int,
@@ -187,11 +201,12 @@ class RaggedAttentionPlan:
         return plan
 
     def _setup(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, num_queries: int,
-               max_len: int) -> None:
+               max_len: int, min_seqlen: int | None = None) -> None:
         B = cache_seqlens.shape[0]
-        _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len)
+        _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len, min_seqlen)
         self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
+        self.full = min_seqlen == max_len  # every row's keys reach the end of the cache view
         self._masks: TorchMasks | None = None
         self._valid: torch.Tensor | None = None
         self._value_keep: torch.Tensor | None = None
@@ -220,8 +235,7 @@ class RaggedAttentionPlan:
             score_bias = torch.bitwise_not(score_keep).bitwise_and_(_NEG_INF_BITS).view(torch.float32)
             # With T = 1 every row has its one query (q_seqlens lies in 1..T): nothing to zero.
             padding = None if self.q_seqlens is None or T == 1 else (steps >= n).view(B, 1, T, 1, 1)
-            zero = torch.zeros((), dtype=torch.float32, device=device)
-            self._masks = TorchMasks(score_keep, score_bias, padding, zero)
+            self._masks = TorchMasks(score_keep, score_bias, padding)
         return self._masks
 
     def _valid_positions(self) -> torch.Tensor:
@@ -271,23 +285,33 @@ class RaggedAttentionPlan:
         return self._value_rows[key]
 
 
-def _scores(q_packed: torch.Tensor, k_cache: torch.Tensor, scale: float, zero: torch.Tensor) -> torch.Tensor:
+def _heads_as_batch(cache: torch.Tensor) -> torch.Tensor | None:
+    """A [B, Lmax, H, D] cache as a [B * H, Lmax, D] view, when rows and heads merge into one
+    batch dimension (one row, or head-major storage as `KVCache` keeps it); else None (merging
+    would copy the cache; torch's CPU bmm over a batch that does not merge falls back to a
+    per-row loop)."""
+    B, Lmax, H, D = cache.shape
+    s_b, s_l, s_h, s_d = cache.stride()
+    if B == 1 or s_b == H * s_h:
+        return cache.as_strided((B * H, Lmax, D), (s_h, s_l, s_d))
+    return None
+
+
+def _scores(q_packed: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale * q_packed @ K^T`` per KV head for ``q_packed`` [B, Hkv, M, D] float32 and
     ``k_cache`` [B, Lmax, Hkv, D] float32, reading the cache in place: one batched GEMM when rows
-    and heads merge into one batch dimension (one row, or head-major storage as `KVCache` keeps
-    it), else one per head (merging would copy the cache; torch's CPU bmm over a batch that does
-    not merge falls back to a per-row loop). ``scale`` is the GEMM's own factor (``baddbmm`` with
-    ``beta=0`` ignores its 0-d ``zero`` input), so no scaled copy of q is made.
-    Returns [B, Hkv, M, Lmax], contiguous."""
+    and heads merge (`_heads_as_batch`), else one per head. ``scale`` is the GEMM's own factor
+    (``baddbmm`` with ``beta=0`` ignores its input: an uninitialized 0-d tensor, or the output),
+    so no scaled copy of q is made. Returns [B, Hkv, M, Lmax], contiguous."""
     B, H, M, D = q_packed.shape
     Lmax = k_cache.shape[1]
-    s_b, s_l, s_h, s_d = k_cache.stride()
-    if B == 1 or s_b == H * s_h:
-        keys_t = k_cache.as_strided((B * H, D, Lmax), (s_h, s_d, s_l))
-        return torch.baddbmm(zero, q_packed.reshape(B * H, M, D), keys_t, beta=0, alpha=scale).view(B, H, M, Lmax)
+    keys = _heads_as_batch(k_cache)
+    if keys is not None:
+        return torch.baddbmm(q_packed.new_empty(()), q_packed.reshape(B * H, M, D), keys.transpose(1, 2), beta=0,
+                             alpha=scale).view(B, H, M, Lmax)
     out = q_packed.new_empty(B, H, M, Lmax)
     for h in range(H):
-        torch.baddbmm(zero, q_packed[:, h], k_cache[:, :, h].transpose(1, 2), beta=0, alpha=scale, out=out[:, h])
+        torch.baddbmm(out[:, h], q_packed[:, h], k_cache[:, :, h].transpose(1, 2), beta=0, alpha=scale, out=out[:, h])
     return out
 
 
@@ -322,6 +346,14 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: Ragged
     B, Lmax, Hkv, D = v_cache.shape
     M = probs.shape[2]
     v = as_float32(v_cache)
+    if plan.full:  # no row has anything beyond its length: V is multiplied as it lies
+        values = _heads_as_batch(v)
+        if values is not None:
+            return torch.bmm(probs.view(B * Hkv, M, Lmax), values).view(B, Hkv, M, D)
+        out = probs.new_empty(B, Hkv, M, D)
+        for h in range(Hkv):
+            torch.bmm(probs[:, h], v[:, :, h], out=out[:, h])
+        return out
     if M <= _BAG_MAX_ROWS and v.stride(3) == 1 and all(stride % D == 0 for stride in v.stride()[:3]):
         rows, offsets, span = plan.value_rows(tuple(stride // D for stride in v.stride()[:3]), Hkv, M)
         table = v.as_strided((span, D), (D, 1))  # every D-vector of the cache, in storage order
@@ -351,22 +383,25 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     B, T, Hq, D = q.shape
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    masks = plan.torch_masks()
+    # With every row full (`RaggedAttentionPlan` min_seqlen) and one query, it sees every key.
+    masks = None if plan.full and T == 1 else plan.torch_masks()
     # Packed rows r = t * G + g of (row b, KV head h): its G query heads times the row's T queries.
     if T == 1:
         q_packed = as_float32(q).reshape(B, Hkv, G, D)
     else:
         q_packed = as_float32(q).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
-    scores = _scores(q_packed, as_float32(k_cache), scale, masks.zero).view(B, Hkv, T, G, Lmax)
-    # Hidden keys get -inf (their bits ANDed to +0.0, then the bias added): also the NaN scores
-    # of NaN keys beyond a row's length.
-    scores.view(torch.int32).bitwise_and_(masks.score_keep)
-    probs = scores.add_(masks.score_bias).softmax(-1)
+    scores = _scores(q_packed, as_float32(k_cache), scale).view(B, Hkv, T, G, Lmax)
+    if masks is not None:
+        # Hidden keys get -inf (their bits ANDed to +0.0, then the bias added): also the NaN
+        # scores of NaN keys beyond a row's length.
+        scores.view(torch.int32).bitwise_and_(masks.score_keep)
+        scores.add_(masks.score_bias)
+    probs = scores.softmax(-1)
     out = _probs_times_values(probs.view(B, Hkv, T * G, Lmax), v_cache, plan)   # [B, Hkv, T * G, D]
     if T == 1:
         return out.view(B, 1, Hq, D).to(q.dtype)
     out = out.view(B, Hkv, T, G, D)
-    if masks.padding is not None:
+    if masks is not None and masks.padding is not None:
         out.masked_fill_(masks.padding, 0.0)
     return out.transpose(1, 2).reshape(B, T, Hq, D).to(q.dtype)
 

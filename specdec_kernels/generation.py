@@ -7,10 +7,12 @@ returning a cache that has ``lengths`` [B], ``crop(lengths)`` and ``select(rows)
 (`specdec_kernels.KVCache`; `specdec_kernels.Llama` is the built-in model). Three optional
 keywords are used when the model's ``forward`` takes them: ``last_only=True`` (logits of each
 row's last real token only, [B, 1, V]), ``num_tokens=`` (``q_seqlens.sum()`` as a host int,
-known to the loops without an extra sync, so the model can skip padding positions) and
+known to the loops without an extra sync, so the model can skip padding positions),
 ``max_seqlen=`` (a host int >= every row's cache length after the call: the prompt width for the
 prefill, then read in the loop's one transfer per step; attention can then read that many
-positions instead of the cache's capacity).
+positions instead of the cache's capacity) and ``min_seqlen=`` (a host int <= every row's cache
+length after a decoding call, read in the same transfer; with one row it equals ``max_seqlen``,
+and attention needs no length mask).
 
 Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
 reads a device value on the host except the one "which rows are done?" check, which
@@ -224,29 +226,31 @@ def _accepts(model, keyword: str) -> bool:
     """Whether ``model``'s forward takes the optional protocol extension ``keyword``:
     ``last_only`` (return only each row's last logits, saving the full [B, T, V] head),
     ``num_tokens`` (the host-known ``q_seqlens.sum()``, letting the model skip padding) or
-    ``max_seqlen`` (a host bound on the cache lengths after the call)."""
+    ``max_seqlen`` / ``min_seqlen`` (host bounds on the cache lengths after the call)."""
     forward = getattr(type(model), "forward", None)
     return forward is not None and keyword in _keywords(forward)
 
 
 def _forward(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
-             max_seqlen: int | None = None, **kwargs) -> torch.Tensor:
-    """``model(input_ids, cache, q_seqlens)``, telling it ``num_tokens`` and ``max_seqlen`` where
-    it listens."""
+             max_seqlen: int | None = None, min_seqlen: int | None = None, **kwargs) -> torch.Tensor:
+    """``model(input_ids, cache, q_seqlens)``, telling it ``num_tokens``, ``max_seqlen`` and
+    ``min_seqlen`` where it listens."""
     if num_tokens is not None and q_seqlens is not None and _accepts(model, "num_tokens"):
         kwargs["num_tokens"] = num_tokens
-    if max_seqlen is not None and _accepts(model, "max_seqlen"):
-        kwargs["max_seqlen"] = max_seqlen
+    for keyword, bound in (("max_seqlen", max_seqlen), ("min_seqlen", min_seqlen)):
+        if bound is not None and _accepts(model, keyword):
+            kwargs[keyword] = bound
     return model(input_ids, cache, q_seqlens, **kwargs)
 
 
 def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
-                 max_seqlen: int | None = None) -> torch.Tensor:
+                 max_seqlen: int | None = None, min_seqlen: int | None = None) -> torch.Tensor:
     """[B, V] logits at each row's last real input position (``q_seqlens`` None: position T-1)."""
+    bounds = dict(max_seqlen=max_seqlen, min_seqlen=min_seqlen)
     if _accepts(model, "last_only"):
-        logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, last_only=True)
+        logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, **bounds, last_only=True)
         return logits[:, -1]
-    logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen)
+    logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, **bounds)
     if q_seqlens is None:
         return logits[:, -1]
     index = (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
@@ -269,18 +273,18 @@ def _use_cuda_graphs(cuda_graphs: bool | None, models, device: torch.device) -> 
 
 def _decoding_forward(model, cache, name: str, graphs: bool, *, last_only: bool) -> Callable:
     """The loop's decoding forward of ``model``: ``fn(ids, cache, q_seqlens=None, num_tokens=None,
-    *, max_seqlen)`` -> `_last_logits` (``last_only``) or `_forward`'s logits. With ``graphs``,
-    replayed from CUDA graphs (`GraphedForward`) on ``cache`` (a `KVCache`, whose `select` keeps
-    the object) at full capacity: ``num_tokens`` and ``max_seqlen`` are left out, they would
-    change the shapes every step."""
+    *, max_seqlen, min_seqlen)`` -> `_last_logits` (``last_only``) or `_forward`'s logits. With
+    ``graphs``, replayed from CUDA graphs (`GraphedForward`) on ``cache`` (a `KVCache`, whose
+    `select` keeps the object) at full capacity: ``num_tokens`` and the bounds are left out, they
+    would change the shapes (or the masks) every step."""
     forward = _last_logits if last_only else _forward
     if not graphs:
-        return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen: forward(
-            model, ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen)
+        return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: forward(
+            model, ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, min_seqlen=min_seqlen)
     if not isinstance(cache, KVCache):
         raise ValueError(f"cuda_graphs needs the {name}'s cache to be a KVCache, got {type(cache).__name__}")
     graphed = GraphedForward(lambda ids, q_seqlens: forward(model, ids, cache, q_seqlens), cache)
-    return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen: graphed(ids, q_seqlens)
+    return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: graphed(ids, q_seqlens)
 
 
 @dataclass
@@ -459,6 +463,11 @@ def _longest_running(cache, done: torch.Tensor) -> torch.Tensor:
     return cache.lengths.masked_fill(done, 0).max()
 
 
+def _shortest_running(cache, done: torch.Tensor) -> torch.Tensor:
+    """0-d: the shortest cache row among the rows still running (meaningless when none is)."""
+    return cache.lengths.masked_fill(done, torch.iinfo(cache.lengths.dtype).max).min()
+
+
 # --------------------------------------------------------------------------- plain generation
 
 @torch.inference_mode()
@@ -505,7 +514,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         with timer("sampler"):
             token = request.sample(logits)
         _, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
-        running, (longest,) = _rows_still_running(done, _longest_running(cache, done))
+        running, (longest, shortest) = _rows_still_running(done, _longest_running(cache, done),
+                                                           _shortest_running(cache, done))
         if not running:
             break
         if len(running) < len(rows):
@@ -513,7 +523,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             rows, token, cache = rows[keep], token[keep], cache.select(keep)
         stats.num_steps[rows] += 1
         with timer("target"):
-            logits = step(token[:, None], cache, max_seqlen=longest + 1)
+            logits = step(token[:, None], cache, max_seqlen=longest + 1, min_seqlen=shortest + 1)
         stats.target_forwards += 1
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
@@ -614,11 +624,13 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         # drafts any row has) is known on the host without a second synchronization.
         if lookup:
             proposed = num_drafts.masked_fill(done, 0)
-            running, (target_longest, widest, total_drafts) = _rows_still_running(
-                done, _longest_running(target_cache, done), proposed.amax(), proposed.sum())
+            running, (target_longest, target_shortest, widest, fewest, total_drafts) = _rows_still_running(
+                done, _longest_running(target_cache, done), _shortest_running(target_cache, done),
+                proposed.amax(), num_drafts.masked_fill(done, K).amin(), proposed.sum())
         else:
-            running, (target_longest, draft_longest) = _rows_still_running(
-                done, _longest_running(target_cache, done), _longest_running(draft_cache, done))
+            running, (target_longest, target_shortest, draft_longest, draft_shortest) = _rows_still_running(
+                done, _longest_running(target_cache, done), _shortest_running(target_cache, done),
+                _longest_running(draft_cache, done), _shortest_running(draft_cache, done))
         if not running:
             break
         if len(running) < len(rows):
@@ -637,7 +649,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 draft_ids, draft_logits = draft_ids[:, :K if graphs else widest], None
             else:
                 draft_start = draft_cache.lengths.clone()
-                step_logits = draft_step(pending, draft_cache, pending_lengths, max_seqlen=draft_longest + 2)
+                step_logits = draft_step(pending, draft_cache, pending_lengths, max_seqlen=draft_longest + 2,
+                                         min_seqlen=draft_shortest + 1)
                 draft_logits = torch.empty(b, K, target.vocab_size, dtype=step_logits.dtype, device=device)
                 draft_ids = torch.empty(b, K, dtype=torch.int64, device=device)
                 for i in range(K):
@@ -645,7 +658,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                     draft_ids[:, i] = request.sample(step_logits)
                     if i + 1 < K:
                         step_logits = draft_step(draft_ids[:, i: i + 1], draft_cache,
-                                                 max_seqlen=draft_longest + 3 + i)
+                                                 max_seqlen=draft_longest + 3 + i, min_seqlen=draft_shortest + 2 + i)
                 num_drafts = torch.full((b,), K, dtype=torch.int64, device=device)
         stats.draft_forwards += 0 if lookup else K
 
@@ -657,8 +670,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             verify_ids = torch.cat([last[:, None], draft_ids], 1)
             # Ragged: b + total_drafts real tokens, known on the host (the model may skip padding).
             q_seqlens, num_tokens = (num_drafts + 1, b + total_drafts) if ragged else (None, None)
+            fewest_verified = fewest + 1 if ragged else verify_ids.shape[1]
             target_logits = verify(verify_ids, target_cache, q_seqlens, num_tokens,
-                                   max_seqlen=target_longest + verify_ids.shape[1])
+                                   max_seqlen=target_longest + verify_ids.shape[1],
+                                   min_seqlen=target_shortest + fewest_verified)
         stats.target_forwards += 1
 
         # 3. Accept a prefix, emit one corrected or bonus token.

@@ -373,8 +373,8 @@ class Llama(nn.Module):
                        self.config.head_dim, dtype=dtype or weight.dtype, device=device or weight.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
-                last_only: bool = False, num_tokens: int | None = None, max_seqlen: int | None = None
-                ) -> torch.Tensor:
+                last_only: bool = False, num_tokens: int | None = None, max_seqlen: int | None = None,
+                min_seqlen: int | None = None) -> torch.Tensor:
         """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
 
         Args:
@@ -392,6 +392,10 @@ class Llama(nn.Module):
                 capacity (on the CPU its cost follows the positions read); a bound above the
                 capacity means the capacity. A row longer than the bound is an error (checked
                 on the device: a ValueError on CPU, a device assert on CUDA).
+            min_seqlen: an int <= every row's cache length after this pass, when the caller
+                knows one on the host (checked on the device likewise). When it equals the
+                positions read (one row, ``max_seqlen`` exact), attention on the CPU applies no
+                length mask and multiplies V in place (`RaggedAttentionPlan`).
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
@@ -407,8 +411,12 @@ class Llama(nn.Module):
         append = cache.plan_append(T, q_seqlens)  # validates q_seqlens
         q_seqlens = append.q_seqlens
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
-        attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T,
-                                        max_len=self._positions_read(cache_seqlens, max_seqlen, T, cache.max_len))
+        positions_read = self._positions_read(cache_seqlens, max_seqlen, T, cache.max_len)
+        if min_seqlen is not None and (not is_int(min_seqlen) or not 1 <= min_seqlen <= positions_read):
+            raise ValueError(f"min_seqlen must be an int in 1..{positions_read} (the positions attention reads: "
+                             f"max_seqlen or the cache capacity), got {min_seqlen!r}")
+        attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=positions_read,
+                                        min_seqlen=min_seqlen)
         packed = self._real_tokens(q_seqlens, num_tokens, B, T)
         step = _Step(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
         x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])

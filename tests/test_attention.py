@@ -466,3 +466,45 @@ def test_plan_checks_lengths_once_and_rejects_another_call():
         ragged_attention(q[:, :4], k, v, plan.cache_seqlens, plan.q_seqlens, plan=plan)
     with pytest.raises(ValueError, match="plan was made for T=5, Lmax=257"):
         ragged_attention(q, k[:, :256], v[:, :256], plan.cache_seqlens, plan.q_seqlens, plan=plan)
+
+
+# (B, T, G, Hkv, D, Lmax, q_seqlens, dtype): every row's cache_seqlens is Lmax.
+FULL_CASES = [
+    pytest.param(1, 1, 3, 3, 64, 81, None, torch.float32, id="B1-T1-decode"),
+    pytest.param(1, 5, 3, 3, 64, 97, None, torch.float32, id="B1-T5-verify"),
+    pytest.param(3, 5, 3, 2, 80, 40, [5, 2, 4], torch.bfloat16, id="B3-T5-ragged-q-bf16"),
+    pytest.param(2, 1, 4, 2, 128, 33, None, torch.float16, id="B2-T1-G4-D128-fp16"),
+]
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major", "shared_by_rows", "padded_positions"])
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,q_lens,dtype", FULL_CASES)
+def test_torch_path_with_every_row_full(monkeypatch, layout, B, T, G, Hkv, D, Lmax, q_lens, dtype):
+    """A plan told ``min_seqlen == max_len`` (no row has keys beyond its length, as one row
+    decoding with an exact ``max_seqlen``) multiplies V in place, and with T = 1 applies no mask:
+    equal to the reference and to the same plan without the hint."""
+    lengths = [Lmax] * B
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
+    hinted = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax, min_seqlen=Lmax)
+    plain = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax)
+    assert hinted.full and not plain.full
+    bags = count_calls(monkeypatch, F, "embedding_bag")
+    masks = count_calls(monkeypatch, RaggedAttentionPlan, "torch_masks")
+    out = ragged_attention(q, k, v, hinted.cache_seqlens, hinted.q_seqlens, backend="torch", plan=hinted)
+    assert not bags and len(masks) == (0 if T == 1 else 1)
+    assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
+    assert_padding_rows_zero(out, T, q_lens)
+    expected = ragged_attention(q, k, v, plain.cache_seqlens, plain.q_seqlens, backend="torch", plan=plain)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_min_seqlen_is_checked():
+    cache_seqlens, q_seqlens = torch.tensor([9, 12]), torch.tensor([2, 3])
+    for bad in (0, 13, 2.0, True):
+        with pytest.raises(ValueError, match="min_seqlen must be None or an int in 1..max_len=12"):
+            RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=3, max_len=12, min_seqlen=bad)
+    for q_lens in (q_seqlens, None):  # a row shorter than the bound: a device-side check, on CPU at once
+        with pytest.raises(DeviceCheckError, match="min_seqlen=10"):
+            RaggedAttentionPlan(cache_seqlens, q_lens, num_queries=3, max_len=12, min_seqlen=10)
+    assert not RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=3, max_len=12, min_seqlen=9).full

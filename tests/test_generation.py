@@ -541,3 +541,28 @@ def test_cuda_graphs_need_a_kv_cache(target, monkeypatch):
     monkeypatch.setattr(generation, "_use_cuda_graphs", lambda *args: True)
     with pytest.raises(ValueError, match="cuda_graphs needs the model's cache to be a KVCache"):
         generate(OtherModel(target), torch.randint(0, V, (2, 3)), max_new_tokens=3, cuda_graphs=True)
+
+
+def test_one_row_decodes_with_exact_length_bounds(monkeypatch):
+    """With one row, the loops know its cache length exactly (from their one transfer per step):
+    every decoding forward of `generate` and every verification of `speculative_generate` builds
+    an attention plan whose rows are all full (`RaggedAttentionPlan` min_seqlen == max_len)."""
+    import specdec_kernels.model as model_module
+    from specdec_kernels import RaggedAttentionPlan
+
+    plans = []
+
+    class Recorded(RaggedAttentionPlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            plans.append((self.num_queries, self.full))
+
+    monkeypatch.setattr(model_module, "RaggedAttentionPlan", Recorded)
+    model = tiny_llama(seed=9)
+    prompt = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(9))
+    plain = generate(model, prompt, max_new_tokens=6, temperature=0)
+    assert plans == [(7, False)] + [(1, True)] * 5  # the prefill gets no min_seqlen
+    plans.clear()
+    spec = speculative_generate(model, PromptLookupDraft(), prompt, num_draft_tokens=3, max_new_tokens=6, temperature=0)
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert all(full for _, full in plans[1:]) and len(plans) == spec.stats.target_forwards

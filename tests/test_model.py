@@ -141,6 +141,28 @@ def test_max_seqlen_errors():
     model(ids, cache, max_seqlen=4)  # row 0 reaches exactly 4
 
 
+def test_min_seqlen_errors_and_one_full_row_gives_the_same_logits():
+    model = tiny_llama(seed=8)
+    ids = torch.randint(0, 97, (1, 3), generator=torch.Generator().manual_seed(8))
+    for bad in (0, 9, 3.0, True, "4"):
+        with pytest.raises(ValueError, match="min_seqlen must be an int in 1..8"):
+            model(ids, model.new_cache(1, 8), min_seqlen=bad)
+    with pytest.raises(ValueError, match="min_seqlen must be an int in 1..3"):
+        model(ids, model.new_cache(1, 8), max_seqlen=3, min_seqlen=4)
+    cache = model.new_cache(2, 8)
+    cache.advance(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="min_seqlen=4"):  # row 1 reaches only 3: checked on the device
+        model(ids.expand(2, 3), cache, min_seqlen=4)
+    hinted, plain = model.new_cache(1, 8), model.new_cache(1, 8)
+    with torch.no_grad():
+        model(ids, hinted), model(ids, plain)
+        for T in (1, 2):  # one row, max_seqlen exact: every key visible, no length mask
+            step = torch.randint(0, 97, (1, T), generator=torch.Generator().manual_seed(T))
+            n = int(hinted.lengths) + T
+            assert_close(model(step, hinted, max_seqlen=n, min_seqlen=n), model(step, plain, max_seqlen=n),
+                         dtype=torch.float32)
+
+
 def test_num_tokens_errors():
     model = tiny_llama()
     ids, q = torch.zeros(2, 3, dtype=torch.int64), torch.tensor([3, 1])
