@@ -18,7 +18,9 @@ Backends (see `specdec_kernels._backend`):
   there would survive a zero weight): with at most 6 packed rows, ``P V`` is a weighted sum of
   V's rows (``embedding_bag``) in which those positions point at position 0; with more, V is
   zeroed there bitwise in chunks of batch rows (sized from the shapes alone) before one GEMM
-  per chunk. Padding rows are zeroed at the end. Half-precision inputs are computed in fp32;
+  per chunk. A plan told that no row has keys beyond its length (``min_seqlen == max_len``: one
+  row with an exact bound, as the decoding loops pass it) multiplies V in place, and with T = 1
+  masks nothing. Padding rows are zeroed at the end. Half-precision inputs are computed in fp32;
 - ``"triton"``: `specdec_kernels.kernels.attention`, split-KV (flash-decoding) with a
   log-sum-exp merge; the split count is chosen per row on the device.
 

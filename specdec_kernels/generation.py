@@ -628,9 +628,11 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 done, _longest_running(target_cache, done), _shortest_running(target_cache, done),
                 proposed.amax(), num_drafts.masked_fill(done, K).amin(), proposed.sum())
         else:
-            running, (target_longest, target_shortest, draft_longest, draft_shortest) = _rows_still_running(
+            running, (target_longest, target_shortest, draft_longest, draft_shortest, most_pending,
+                      fewest_pending) = _rows_still_running(
                 done, _longest_running(target_cache, done), _shortest_running(target_cache, done),
-                _longest_running(draft_cache, done), _shortest_running(draft_cache, done))
+                _longest_running(draft_cache, done), _shortest_running(draft_cache, done),
+                pending_lengths.masked_fill(done, 1).max(), pending_lengths.masked_fill(done, 2).min())
         if not running:
             break
         if len(running) < len(rows):
@@ -649,16 +651,17 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 draft_ids, draft_logits = draft_ids[:, :K if graphs else widest], None
             else:
                 draft_start = draft_cache.lengths.clone()
-                step_logits = draft_step(pending, draft_cache, pending_lengths, max_seqlen=draft_longest + 2,
-                                         min_seqlen=draft_shortest + 1)
+                # Bounds on the draft's cache lengths after the pending tokens (plus i after step i).
+                low, high = draft_shortest + fewest_pending, draft_longest + most_pending
+                step_logits = draft_step(pending, draft_cache, pending_lengths, max_seqlen=high, min_seqlen=low)
                 draft_logits = torch.empty(b, K, target.vocab_size, dtype=step_logits.dtype, device=device)
                 draft_ids = torch.empty(b, K, dtype=torch.int64, device=device)
                 for i in range(K):
                     draft_logits[:, i] = step_logits
                     draft_ids[:, i] = request.sample(step_logits)
                     if i + 1 < K:
-                        step_logits = draft_step(draft_ids[:, i: i + 1], draft_cache,
-                                                 max_seqlen=draft_longest + 3 + i, min_seqlen=draft_shortest + 2 + i)
+                        step_logits = draft_step(draft_ids[:, i: i + 1], draft_cache, max_seqlen=high + i + 1,
+                                                 min_seqlen=low + i + 1)
                 num_drafts = torch.full((b,), K, dtype=torch.int64, device=device)
         stats.draft_forwards += 0 if lookup else K
 

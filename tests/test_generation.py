@@ -545,8 +545,9 @@ def test_cuda_graphs_need_a_kv_cache(target, monkeypatch):
 
 def test_one_row_decodes_with_exact_length_bounds(monkeypatch):
     """With one row, the loops know its cache length exactly (from their one transfer per step):
-    every decoding forward of `generate` and every verification of `speculative_generate` builds
-    an attention plan whose rows are all full (`RaggedAttentionPlan` min_seqlen == max_len)."""
+    every decoding forward (plain steps, prompt-lookup verifications, the draft model's steps and
+    the target's verifications) builds an attention plan whose rows are all full
+    (`RaggedAttentionPlan` min_seqlen == max_len); only the prefills get no lower bound."""
     import specdec_kernels.model as model_module
     from specdec_kernels import RaggedAttentionPlan
 
@@ -559,10 +560,12 @@ def test_one_row_decodes_with_exact_length_bounds(monkeypatch):
 
     monkeypatch.setattr(model_module, "RaggedAttentionPlan", Recorded)
     model = tiny_llama(seed=9)
-    prompt = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(9))
+    prompt = torch.tensor([[5, 6, 7, 8] * 3])  # repeats: prompt lookup proposes
     plain = generate(model, prompt, max_new_tokens=6, temperature=0)
-    assert plans == [(7, False)] + [(1, True)] * 5  # the prefill gets no min_seqlen
-    plans.clear()
-    spec = speculative_generate(model, PromptLookupDraft(), prompt, num_draft_tokens=3, max_new_tokens=6, temperature=0)
-    assert torch.equal(spec.tokens, plain.tokens)
-    assert all(full for _, full in plans[1:]) and len(plans) == spec.stats.target_forwards
+    assert plans == [(12, False)] + [(1, True)] * 5
+    for draft, prefills in ((PromptLookupDraft(), 1), (model.truncated(1), 2)):
+        plans.clear()
+        spec = speculative_generate(model, draft, prompt, num_draft_tokens=3, max_new_tokens=6, temperature=0)
+        assert torch.equal(spec.tokens, plain.tokens)
+        assert [full for _, full in plans] == [False] * prefills + [True] * (len(plans) - prefills)
+        assert any(T > 1 for T, _ in plans[prefills:])  # verifications of drafts

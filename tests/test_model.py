@@ -312,9 +312,9 @@ def test_packed_linear_matches_f_linear_at_every_row_count(rows, features):
     assert mkl_linear_calls(lambda: layer(x)) == (1 if rows >= 2 else 0)
     out = layer(x)
     assert out.shape == (rows, 1, n_out)
-    torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)  # the row-major weight
     strided = torch.randn(rows, 2 * n_in, generator=gen)[:, ::2]  # not contiguous
-    torch.testing.assert_close(layer(strided), F.linear(strided, layer.weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
 
 
 @needs_mkl
