@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._backend import DeviceCheckError, as_float32, check_lengths_tensor, device_check, resolve_backend
+from ._backend import DeviceCheckError, as_float32, check_lengths_tensor, device_check, is_int, resolve_backend
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -182,8 +182,7 @@ class RaggedAttentionPlan:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if max_len < num_queries:
             raise ValueError(f"max_len={max_len} must be >= num_queries={num_queries}")
-        if min_seqlen is not None and (not isinstance(min_seqlen, int) or isinstance(min_seqlen, bool)
-                                       or not 1 <= min_seqlen <= max_len):
+        if min_seqlen is not None and (not is_int(min_seqlen) or not 1 <= min_seqlen <= max_len):
             raise ValueError(f"min_seqlen must be None or an int in 1..max_len={max_len}, got {min_seqlen!r}")
         B, device = cache_seqlens.shape[0], cache_seqlens.device
         check_lengths_tensor("cache_seqlens", cache_seqlens, B, device, on=str(device))
@@ -191,7 +190,7 @@ class RaggedAttentionPlan:
             check_lengths_tensor("q_seqlens", q_seqlens, B, device, on=f"{device} like cache_seqlens")
         # Private copies: the masks are built from these values once, so they must not change.
         self._setup(cache_seqlens.clone(), None if q_seqlens is None else q_seqlens.clone(), num_queries, max_len,
-                    min_seqlen)
+                    None if min_seqlen is None else int(min_seqlen))
 
     @classmethod
     def _for_one_call(cls, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, num_queries: int,

@@ -4,15 +4,15 @@ A model is any callable ``model(input_ids [B, T], cache, q_seqlens=None) -> logi
 that appends its keys and values at each row's own cache length and advances
 ``cache.lengths``, with ``model.vocab_size`` and ``model.new_cache(batch_size, max_len)``
 returning a cache that has ``lengths`` [B], ``crop(lengths)`` and ``select(rows)``
-(`specdec_kernels.KVCache`; `specdec_kernels.Llama` is the built-in model). Three optional
+(`specdec_kernels.KVCache`; `specdec_kernels.Llama` is the built-in model). Four optional
 keywords are used when the model's ``forward`` takes them: ``last_only=True`` (logits of each
 row's last real token only, [B, 1, V]), ``num_tokens=`` (``q_seqlens.sum()`` as a host int,
 known to the loops without an extra sync, so the model can skip padding positions),
 ``max_seqlen=`` (a host int >= every row's cache length after the call: the prompt width for the
 prefill, then read in the loop's one transfer per step; attention can then read that many
 positions instead of the cache's capacity) and ``min_seqlen=`` (a host int <= every row's cache
-length after a decoding call, read in the same transfer; with one row it equals ``max_seqlen``,
-and attention needs no length mask).
+length after a decoding call, read in the same transfer; with one row it equals ``max_seqlen``:
+see `RaggedAttentionPlan`).
 
 Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
 reads a device value on the host except the one "which rows are done?" check, which
@@ -458,14 +458,10 @@ def _rows_still_running(done: torch.Tensor, *values: torch.Tensor) -> tuple[list
     return [i for i, d in enumerate(flat[:B]) if not d], flat[B:]
 
 
-def _longest_running(cache, done: torch.Tensor) -> torch.Tensor:
-    """0-d: the longest cache row among the rows still running, a bound for their next forward."""
-    return cache.lengths.masked_fill(done, 0).max()
-
-
-def _shortest_running(cache, done: torch.Tensor) -> torch.Tensor:
-    """0-d: the shortest cache row among the rows still running (meaningless when none is)."""
-    return cache.lengths.masked_fill(done, torch.iinfo(cache.lengths.dtype).max).min()
+def _running_range(values: torch.Tensor, done: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d max and min of the non-negative ``values`` [B] over the rows still running (cache
+    lengths, draft counts: bounds for their next forward; meaningless when no row runs)."""
+    return values.masked_fill(done, 0).max(), values.masked_fill(done, torch.iinfo(values.dtype).max).min()
 
 
 # --------------------------------------------------------------------------- plain generation
@@ -514,8 +510,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         with timer("sampler"):
             token = request.sample(logits)
         _, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
-        running, (longest, shortest) = _rows_still_running(done, _longest_running(cache, done),
-                                                           _shortest_running(cache, done))
+        running, (longest, shortest) = _rows_still_running(done, *_running_range(cache.lengths, done))
         if not running:
             break
         if len(running) < len(rows):
@@ -623,16 +618,14 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         # Prompt lookup proposes before the check, so that the verify width (1 + the most
         # drafts any row has) is known on the host without a second synchronization.
         if lookup:
-            proposed = num_drafts.masked_fill(done, 0)
-            running, (target_longest, target_shortest, widest, fewest, total_drafts) = _rows_still_running(
-                done, _longest_running(target_cache, done), _shortest_running(target_cache, done),
-                proposed.amax(), num_drafts.masked_fill(done, K).amin(), proposed.sum())
+            running, (target_longest, target_shortest, widest, fewest_drafts, total_drafts) = _rows_still_running(
+                done, *_running_range(target_cache.lengths, done), *_running_range(num_drafts, done),
+                num_drafts.masked_fill(done, 0).sum())
         else:
             running, (target_longest, target_shortest, draft_longest, draft_shortest, most_pending,
                       fewest_pending) = _rows_still_running(
-                done, _longest_running(target_cache, done), _shortest_running(target_cache, done),
-                _longest_running(draft_cache, done), _shortest_running(draft_cache, done),
-                pending_lengths.masked_fill(done, 1).max(), pending_lengths.masked_fill(done, 2).min())
+                done, *_running_range(target_cache.lengths, done), *_running_range(draft_cache.lengths, done),
+                *_running_range(pending_lengths, done))
         if not running:
             break
         if len(running) < len(rows):
@@ -673,7 +666,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             verify_ids = torch.cat([last[:, None], draft_ids], 1)
             # Ragged: b + total_drafts real tokens, known on the host (the model may skip padding).
             q_seqlens, num_tokens = (num_drafts + 1, b + total_drafts) if ragged else (None, None)
-            fewest_verified = fewest + 1 if ragged else verify_ids.shape[1]
+            fewest_verified = fewest_drafts + 1 if ragged else verify_ids.shape[1]
             target_logits = verify(verify_ids, target_cache, q_seqlens, num_tokens,
                                    max_seqlen=target_longest + verify_ids.shape[1],
                                    min_seqlen=target_shortest + fewest_verified)

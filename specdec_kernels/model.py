@@ -144,12 +144,12 @@ def _weight_identity(weight: torch.Tensor) -> tuple:
 def _store_weight(weight: torch.Tensor, *, input_major: bool) -> None:
     """Store ``weight`` [out, in] input-major (``weight.t()`` contiguous) or row-major, in place of
     its data (a parameter stays the same object, tied weights stay tied; values are unchanged)."""
-    if (weight.t() if input_major else weight).is_contiguous():
+    source = weight.t() if input_major else weight
+    if source.is_contiguous():
         return
     # An inference tensor stays one (it has no version counter), any other never becomes one.
     with torch.inference_mode(weight.is_inference()), torch.no_grad():
-        stored = torch.empty_like(weight.t() if input_major else weight, memory_format=torch.contiguous_format)
-        stored.copy_(weight.t() if input_major else weight)
+        stored = source.clone(memory_format=torch.contiguous_format)
     weight.data = stored.t() if input_major else stored
 
 
@@ -393,9 +393,9 @@ class Llama(nn.Module):
                 capacity means the capacity. A row longer than the bound is an error (checked
                 on the device: a ValueError on CPU, a device assert on CUDA).
             min_seqlen: an int <= every row's cache length after this pass, when the caller
-                knows one on the host (checked on the device likewise). When it equals the
-                positions read (one row, ``max_seqlen`` exact), attention on the CPU applies no
-                length mask and multiplies V in place (`RaggedAttentionPlan`).
+                knows one on the host (checked on the device likewise). It changes nothing
+                unless it equals the positions read (one row, ``max_seqlen`` exact): the CPU
+                attention path then multiplies V in place (see `RaggedAttentionPlan`).
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
@@ -411,12 +411,8 @@ class Llama(nn.Module):
         append = cache.plan_append(T, q_seqlens)  # validates q_seqlens
         q_seqlens = append.q_seqlens
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
-        positions_read = self._positions_read(cache_seqlens, max_seqlen, T, cache.max_len)
-        if min_seqlen is not None and (not is_int(min_seqlen) or not 1 <= min_seqlen <= positions_read):
-            raise ValueError(f"min_seqlen must be an int in 1..{positions_read} (the positions attention reads: "
-                             f"max_seqlen or the cache capacity), got {min_seqlen!r}")
-        attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=positions_read,
-                                        min_seqlen=None if min_seqlen is None else int(min_seqlen))
+        attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, min_seqlen=min_seqlen,
+                                        max_len=self._positions_read(cache_seqlens, max_seqlen, T, cache.max_len))
         packed = self._real_tokens(q_seqlens, num_tokens, B, T)
         step = _Step(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
         x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])
@@ -512,7 +508,9 @@ class Llama(nn.Module):
         MKL packs for the current number of torch threads (for its speed; results do not depend
         on it): call this method again after changing it. Forwards on other devices or dtypes,
         or with autograd, run as unpacked (``.to()``, copies and pickles keep the input-major
-        layout; ``pack_weights(False)`` restores it). A weight replaced or changed in place
+        layout). The weights are then not contiguous: ``save_pretrained`` stores them as usual,
+        but a ``state_dict()`` given straight to safetensors' ``save_file`` needs
+        ``.contiguous()``. A weight replaced or changed in place
         afterwards is packed again at its next use (a change made through ``.data``, or in place
         to a weight created under ``torch.inference_mode``, is not seen: call this method
         again); ``.to()`` drops the copies, which are made again at the next CPU float32 use.

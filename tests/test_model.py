@@ -145,9 +145,9 @@ def test_min_seqlen_errors_and_one_full_row_gives_the_same_logits():
     model = tiny_llama(seed=8)
     ids = torch.randint(0, 97, (1, 3), generator=torch.Generator().manual_seed(8))
     for bad in (0, 9, 3.0, True, "4"):
-        with pytest.raises(ValueError, match="min_seqlen must be an int in 1..8"):
+        with pytest.raises(ValueError, match="min_seqlen must be None or an int in 1..max_len=8"):
             model(ids, model.new_cache(1, 8), min_seqlen=bad)
-    with pytest.raises(ValueError, match="min_seqlen must be an int in 1..3"):
+    with pytest.raises(ValueError, match="min_seqlen must be None or an int in 1..max_len=3"):
         model(ids, model.new_cache(1, 8), max_seqlen=3, min_seqlen=4)
     cache = model.new_cache(2, 8)
     cache.advance(torch.tensor([1, 0]))
