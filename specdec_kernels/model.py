@@ -499,9 +499,10 @@ class Llama(nn.Module):
         input-major (``weight.t()`` contiguous; the parameters keep their shapes, values and ties),
         which made one-row products (decoding one sequence) faster (see `_MIN_PACKED_ROWS`);
         ``pack_weights(False)`` stores them row-major again. A tied input embedding is stored
-        input-major with the LM head, which makes its lookups strided gathers: 0.07 against
-        0.008 ms for 8 tokens (a batch-8 decoding step), 16 against 8 and 13 against 0.7 ms in
-        two measurements of 816 (a batch-8 prefill), against the LM head's gain per step. The
+        input-major with the LM head, which makes its lookups strided gathers: 0.05-0.06 against
+        0.007 ms for 8 tokens (a batch-8 decoding step), 14-18 against 0.1-0.25 ms for 816 (a
+        batch-8 prefill; SmolLM2's table, 1-2 threads, scratch timing), against the LM head's
+        gain at every one-row step. The
         copies add about one more copy of those weights to the resident memory (MKL reserves
         more address space than it touches); weights that shared storage with another model (a
         `from_pretrained` of a loaded module) no longer do, which adds another copy of those.
