@@ -15,12 +15,12 @@ Backends (see `specdec_kernels._backend`):
   multiplied once, in place. Integer masks built on device cover causality and the ragged
   lengths: ANDed into the scores' bits and followed by a -inf bias, they also remove the NaN
   scores of keys beyond a length. What lies beyond a length in V is never multiplied (a NaN
-  there would survive a zero weight): with at most 6 packed rows, ``P V`` is a weighted sum of
-  V's rows (``embedding_bag``) in which those positions point at position 0; with more, V is
-  zeroed there bitwise in chunks of batch rows (sized from the shapes alone) before one GEMM
-  per chunk. A plan told that no row has keys beyond its length (``min_seqlen == max_len``: one
-  row with an exact bound, as the decoding loops pass it) multiplies V in place, and with T = 1
-  masks nothing. Padding rows are zeroed at the end. Half-precision inputs are computed in fp32;
+  there would survive a zero weight): V is zeroed there bitwise in chunks of batch rows (sized
+  from the shapes alone) before one GEMM per chunk. A plan given a host lower bound on the
+  lengths (``min_seqlen``, as the decoding loops pass it) multiplies the positions below it in
+  place and zeroes only the rest; when the bound covers the whole cache view (one row with an
+  exact bound), nothing is copied, and with T = 1 nothing is masked. Padding rows are zeroed at
+  the end. Half-precision inputs are computed in fp32;
 - ``"triton"``: `specdec_kernels.kernels.attention`, split-KV (flash-decoding) with a
   log-sum-exp merge; the split count is chosen per row on the device.
 
@@ -38,7 +38,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ._backend import DeviceCheckError, as_float32, check_lengths_tensor, device_check, is_int, resolve_backend
 
@@ -162,10 +161,11 @@ class RaggedAttentionPlan:
         num_queries: T, the query length of the calls.
         max_len: Lmax, the cache length of the calls.
         min_seqlen: an int <= every row's ``cache_seqlens``, when the caller knows one on the host
-            (checked on the device with the lengths). When it equals ``max_len``, no row has keys
-            beyond its length: the CPU path then multiplies V in place, and with T = 1 applies
-            no mask at all (a batch of one row whose cache view ends at its length, as the
-            decoding loops pass it).
+            (checked on the device with the lengths). The CPU path multiplies V's first
+            ``min_seqlen`` positions in place and zeroes only the rest beyond each length; when it
+            equals ``max_len`` (no row has keys beyond its length: a batch of one row whose cache
+            view ends at its length, as the decoding loops pass it), nothing is copied, and with
+            T = 1 no mask is applied at all.
 
     Raises:
         ValueError: bad shapes or dtypes (host), or out-of-range values (`DeviceCheckError` on
@@ -207,11 +207,10 @@ class RaggedAttentionPlan:
         _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len, min_seqlen)
         self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
-        self.full = min_seqlen == max_len  # every row's keys reach the end of the cache view
+        self.min_seqlen = min_seqlen or 0  # positions below it hold keys in every row
+        self.full = self.min_seqlen == max_len  # every row's keys reach the end of the cache view
         self._masks: TorchMasks | None = None
-        self._valid: torch.Tensor | None = None
         self._value_keep: torch.Tensor | None = None
-        self._value_rows: dict[tuple[tuple[int, int, int], int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def check_call(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, T: int, Lmax: int) -> None:
         """Raise ValueError unless a call's lengths and shapes are the ones this plan was made for."""
@@ -239,51 +238,14 @@ class RaggedAttentionPlan:
             self._masks = TorchMasks(score_keep, score_bias, padding)
         return self._masks
 
-    def _valid_positions(self) -> torch.Tensor:
-        """[B, Lmax] bool: the positions below each row's length."""
-        if self._valid is None:
-            keys = torch.arange(self.max_len, device=self.cache_seqlens.device)
-            self._valid = keys < self.cache_seqlens.view(self.batch_size, 1)
-        return self._valid
-
     def value_keep(self) -> torch.Tensor:
         """[B, 1, Lmax, 1] int32: all ones (-1) on each row's valid keys, 0 beyond (the CPU path's
         mask for zeroing V by a bitwise AND), built on the first call."""
         if self._value_keep is None:
-            self._value_keep = self._valid_positions().to(torch.int32).neg_().view(self.batch_size, 1, self.max_len, 1)
+            keys = torch.arange(self.max_len, device=self.cache_seqlens.device)
+            valid = keys < self.cache_seqlens.view(self.batch_size, 1)
+            self._value_keep = valid.to(torch.int32).neg_().view(self.batch_size, 1, self.max_len, 1)
         return self._value_keep
-
-    def value_rows(self, v_strides: tuple[int, int, int], num_kv_heads: int, num_rows: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The rows of V that the CPU path sums by `embedding_bag`, built once per layout.
-
-        For a cache whose entries are rows of D contiguous values, ``v_strides`` are its strides
-        over (B, Lmax, Hkv) in units of such rows. Returns three things:
-
-        - the bags' row indices, flat [B * Hkv * num_rows * Lmax]: bag (b, h, m) lists V[b, l, h]
-          for every position l, except that positions at or beyond row b's length list V[b, 0, h]
-          (which always exists), so what lies beyond a length is never read (real query rows
-          weight those positions 0; padding rows are zeroed afterwards);
-        - the bags' offsets [B * Hkv * num_rows];
-        - the number of rows the indices span.
-        """
-        key = (v_strides, num_kv_heads, num_rows)
-        if key not in self._value_rows:
-            B, Lmax, H, device = self.batch_size, self.max_len, num_kv_heads, self.cache_seqlens.device
-            s_b, s_l, s_h = v_strides
-            span = (B - 1) * s_b + (Lmax - 1) * s_l + (H - 1) * s_h + 1
-            num_bags = B * H * num_rows
-            fits_int32 = max(span, num_bags * Lmax) <= torch.iinfo(torch.int32).max
-            dtype = torch.int32 if fits_int32 else torch.int64
-
-            def starts(n: int, stride: int) -> torch.Tensor:  # a stride may be 0 (an expanded cache)
-                return torch.arange(n, device=device, dtype=dtype).mul_(stride if n > 1 else 0)
-
-            positions = starts(Lmax, s_l) * self._valid_positions()                          # [B, Lmax]
-            rows = positions.view(B, 1, Lmax) + (starts(B, s_b).view(B, 1, 1) + starts(H, s_h).view(1, H, 1))
-            self._value_rows[key] = (rows.unsqueeze(2).expand(B, H, num_rows, Lmax).flatten(),  # [B, H, M, Lmax]
-                                     starts(num_bags, Lmax), span)
-        return self._value_rows[key]
 
 
 def _times_cache(a: torch.Tensor, cache: torch.Tensor, *, transposed: bool, alpha: float = 1.0) -> torch.Tensor:
@@ -323,49 +285,49 @@ def _times_cache(a: torch.Tensor, cache: torch.Tensor, *, transposed: bool, alph
 _V_CHUNK_BYTES = 1 << 19
 
 
-# Up to this many packed query rows per KV head, ``P V`` is computed as one weighted sum of V's
-# rows per query row (`embedding_bag`), reading V in place: each further row re-reads the head's
-# V from the core's cache, and from 8 rows on that saved little or cost more than the zeroed copy
-# and one GEMM (SmolLM2's heads, 576 and 4160 keys, B 1 and 8, 1 thread: 0.2-1.1 x the copy's
-# time at 1-6 rows, 0.9-1.2 x at 8-10).
-_BAG_MAX_ROWS = 6
-
-
 def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: RaggedAttentionPlan) -> torch.Tensor:
     """``probs @ V`` per KV head for ``probs`` [B, Hkv, M, Lmax] (exactly 0 on each row's keys
     beyond its length, except in padding query rows, which are zeroed afterwards) and ``v_cache``
     [B, Lmax, Hkv, D]. What lies beyond a row's length is never multiplied: a NaN there would
-    survive its zero weight. With few query rows, the positions beyond the length are pointed at
-    position 0 of the same row and head instead (`RaggedAttentionPlan.value_rows`) and each query
-    row is one weighted sum of V's rows, read in place. Otherwise V's entries beyond each length
-    are zeroed by a bitwise AND (exact for every valid value; torch.where took up to 10 x longer
-    on CPU) into a head-major scratch buffer, chunk by chunk, and multiplied by one GEMM per
-    chunk. Returns [B, Hkv, M, D] float32."""
+    survive its zero weight. The positions below the plan's ``min_seqlen`` (valid in every row)
+    are multiplied in place; from there on, V's entries beyond each length are zeroed by a
+    bitwise AND (exact for every valid value; torch.where took up to 10 x longer on CPU) into a
+    head-major scratch buffer, chunk by chunk, and multiplied by one GEMM per chunk. Returns
+    [B, Hkv, M, D] float32.
+
+    ``F.embedding_bag`` (weighted sums of V's rows, read in place) is not used for this: on an
+    AMD EPYC with torch 2.13's MKL, every small-N GEMM that followed one of its multi-bag calls
+    in the same process ran 2.4 x slower (all of a model's matmuls) until a larger GEMM ran.
+    """
     B, Lmax, Hkv, D = v_cache.shape
     M = probs.shape[2]
     v = as_float32(v_cache)
-    if plan.full:  # no row has anything beyond its length: V is multiplied as it lies
+    shared = plan.min_seqlen  # positions every row holds
+    if shared == Lmax:  # no row has anything beyond its length: V is multiplied as it lies
         return _times_cache(probs, v, transposed=False)
-    if M <= _BAG_MAX_ROWS and v.stride(3) == 1 and all(stride % D == 0 for stride in v.stride()[:3]):
-        rows, offsets, span = plan.value_rows(tuple(stride // D for stride in v.stride()[:3]), Hkv, M)
-        table = v.as_strided((span, D), (D, 1))  # every D-vector of the cache, in storage order
-        return F.embedding_bag(rows, table, offsets, per_sample_weights=probs.view(-1), mode="sum").view(B, Hkv, M, D)
-    keep = plan.value_keep()
-    v_bits = v.view(torch.int32).transpose(1, 2)                               # [B, Hkv, Lmax, D]
+    out = _times_cache(probs[..., :shared], v[:, :shared], transposed=False) if shared else None
+    tail = Lmax - shared
+    keep = plan.value_keep()[:, :, shared:]                                     # [B, 1, tail, 1]
+    v_bits = v[:, shared:].view(torch.int32).transpose(1, 2)                    # [B, Hkv, tail, D]
     chunk = B
     if v_cache.device.type == "cpu":
-        chunk = min(B, max(1, _V_CHUNK_BYTES * torch.get_num_threads() // (Hkv * Lmax * D * 4)))
+        chunk = min(B, max(1, _V_CHUNK_BYTES * torch.get_num_threads() // (Hkv * tail * D * 4)))
     if chunk == B:  # one chunk: no slicing
-        kept = torch.bitwise_and(v_bits, keep, out=v_bits.new_empty(B, Hkv, Lmax, D))
-        return torch.bmm(probs.view(B * Hkv, M, Lmax), kept.view(torch.float32).view(B * Hkv, Lmax, D)
-                         ).view(B, Hkv, M, D)
-    out = probs.new_empty(B, Hkv, M, D)
-    scratch = v_bits.new_empty(chunk, Hkv, Lmax, D)
+        kept = torch.bitwise_and(v_bits, keep, out=v_bits.new_empty(B, Hkv, tail, D)).view(torch.float32)
+        p, kept = probs[..., shared:].reshape(B * Hkv, M, tail), kept.view(B * Hkv, tail, D)
+        product = torch.bmm(p, kept) if out is None else torch.baddbmm(out.view(B * Hkv, M, D), p, kept)
+        return product.view(B, Hkv, M, D)
+    out = probs.new_empty(B, Hkv, M, D) if out is None else out
+    scratch = v_bits.new_empty(chunk, Hkv, tail, D)
     for start in range(0, B, chunk):
         n = min(chunk, B - start)
         kept = torch.bitwise_and(v_bits[start:start + n], keep[start:start + n], out=scratch[:n])
-        torch.bmm(probs[start:start + n].view(n * Hkv, M, Lmax), kept.view(torch.float32).view(n * Hkv, Lmax, D),
-                  out=out[start:start + n].view(n * Hkv, M, D))
+        p = probs[start:start + n, ..., shared:].reshape(n * Hkv, M, tail)
+        rows = out[start:start + n].view(n * Hkv, M, D)
+        if shared:  # added to the in-place product of the shared positions
+            rows.baddbmm_(p, kept.view(torch.float32).view(n * Hkv, tail, D))
+        else:
+            torch.bmm(p, kept.view(torch.float32).view(n * Hkv, tail, D), out=rows)
     return out
 
 

@@ -159,13 +159,11 @@ CHUNK_CASES = [
 def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T, G, Hkv, D, Lmax, lengths,
                                       q_lens, dtype):
     """The CPU path multiplies V in chunks of batch rows once a cache is large; forced here on
-    small caches (one or two rows per chunk, and for every row count: no weighted row sums):
-    same outputs, padding rows exactly zero, and the NaN beyond each row's length (zeroed chunk
-    by chunk in a reused buffer) never leaks."""
+    small caches (one or two rows per chunk): same outputs, padding rows exactly zero, and the
+    NaN beyond each row's length (zeroed chunk by chunk in a reused buffer) never leaks."""
     import specdec_kernels.attention as attention
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(attention, "_BAG_MAX_ROWS", 0)
     monkeypatch.setattr(attention, "_V_CHUNK_BYTES", rows_per_chunk * Hkv * Lmax * D * 4)
     zeroings = count_calls(monkeypatch, torch, "bitwise_and")
     q, k, v, cache_seqlens, q_seqlens, out = torch_path_on_layout(layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
@@ -175,8 +173,8 @@ def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T,
     assert_padding_rows_zero(out, T, q_lens)
 
 
-# (B, T, G, Hkv, D, Lmax, cache_seqlens, q_seqlens, dtype): at most 6 packed query rows per KV head.
-BAG_CASES = [
+# (B, T, G, Hkv, D, Lmax, cache_seqlens, q_seqlens, dtype)
+LAYOUT_CASES = [
     pytest.param(4, 1, 3, 2, 64, 200, [1, 200, 77, 130], None, torch.float32, id="B4-T1-G3-ragged"),
     pytest.param(3, 2, 3, 3, 64, 257, [2, 257, 100], [2, 1, 2], torch.float32, id="B3-T2-G3-ragged-q"),
     pytest.param(2, 6, 1, 2, 80, 90, [6, 90], [6, 3], torch.bfloat16, id="B2-T6-G1-D80-bf16"),
@@ -186,22 +184,38 @@ BAG_CASES = [
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major", "slice_of_longer", "shared_by_rows",
                                     "shared_by_heads", "strided_head_dim", "padded_positions"])
-@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", BAG_CASES)
-def test_torch_path_weighted_row_sums(monkeypatch, layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
-    """With few query rows per KV head, P V is one weighted sum of V's rows per query row, read
-    in place (`embedding_bag`), with the positions beyond each row's length pointed at its
-    position 0: equal to the reference, the NaN beyond the lengths never read, for caches at an
-    offset in a longer buffer and caches expanded over rows or heads (stride 0). Caches whose
-    head_dim values are not contiguous, or whose strides are not multiples of D, take the zeroed
-    copy instead (in float32; other dtypes are widened to a dense copy first)."""
-    bags = count_calls(monkeypatch, F, "embedding_bag")
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", LAYOUT_CASES)
+def test_torch_path_on_cache_layouts(layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+    """The CPU path reads caches stored in any layout: at an offset in a longer buffer, expanded
+    over rows or heads (stride 0), with head_dim values apart or strides that are not multiples
+    of D; equal to the reference, the NaN beyond the lengths never read."""
     q, k, v, cache_seqlens, q_seqlens, out = torch_path_on_layout(layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
-    # A half-precision cache is widened to a float32 copy first, which is dense whatever the layout.
-    in_place_rows = layout not in ("strided_head_dim", "padded_positions") or dtype != torch.float32
-    assert len(bags) == int(in_place_rows)
     assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
     assert not out.isnan().any()
     assert_padding_rows_zero(out, T, q_lens)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major", "shared_by_rows"])
+@pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", LAYOUT_CASES)
+def test_torch_path_multiplies_the_shared_positions_in_place(monkeypatch, layout, B, T, G, Hkv, D, Lmax, lengths,
+                                                              q_lens, dtype):
+    """A plan given ``min_seqlen`` (a bound below every row's length) multiplies V's positions
+    below it in place and zeroes only the rest: the same outputs as without the bound, for
+    every bound from 1 to the shortest row, in one chunk and in chunks of one row."""
+    import specdec_kernels.attention as attention
+
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
+    k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
+    expected = reference_fp32(q, k, v, cache_seqlens, q_seqlens)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    for rows_per_chunk in (B, 1):
+        monkeypatch.setattr(attention, "_V_CHUNK_BYTES", rows_per_chunk * Hkv * Lmax * D * 4)
+        for bound in sorted({1, min(lengths) // 2 or 1, min(lengths)}):
+            plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax, min_seqlen=bound)
+            out = ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, backend="torch", plan=plan)
+            assert_close(out, expected, dtype, msg=f"min_seqlen={bound}, {rows_per_chunk} rows per chunk")
+            assert not out.isnan().any()
+            assert_padding_rows_zero(out, T, q_lens)
 
 
 def test_torch_path_ignores_default_dtype():
@@ -276,7 +290,7 @@ def test_auto_on_cpu_is_torch_path():
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
-@pytest.mark.parametrize("T", [5, 2], ids=["T5-zeroed-copy", "T2-row-sums"])
+@pytest.mark.parametrize("T", [5, 2], ids=["T5", "T2"])
 def test_no_host_sync(backend_name, T):
     if backend_name == "triton":
         pytest.importorskip("triton")
@@ -489,10 +503,10 @@ def test_torch_path_with_every_row_full(monkeypatch, layout, B, T, G, Hkv, D, Lm
     hinted = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax, min_seqlen=Lmax)
     plain = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax)
     assert hinted.full and not plain.full
-    bags = count_calls(monkeypatch, F, "embedding_bag")
+    zeroings = count_calls(monkeypatch, torch, "bitwise_and")
     masks = count_calls(monkeypatch, RaggedAttentionPlan, "torch_masks")
     out = ragged_attention(q, k, v, hinted.cache_seqlens, hinted.q_seqlens, backend="torch", plan=hinted)
-    assert not bags and len(masks) == (0 if T == 1 else 1)
+    assert not zeroings and len(masks) == (0 if T == 1 else 1)  # V read in place
     assert_close(out, reference_fp32(q, k, v, cache_seqlens, q_seqlens), dtype)
     assert_padding_rows_zero(out, T, q_lens)
     expected = ragged_attention(q, k, v, plain.cache_seqlens, plain.q_seqlens, backend="torch", plan=plain)
