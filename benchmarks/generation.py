@@ -4,8 +4,8 @@ benchmarks (`test_bench_generation.py`) and the table script (`python -m benchma
 
 Compared side by side in one run, greedy, same weights, same prompts:
 
-- our `generate` vs Hugging Face ``model.generate`` (our model's matmul weights MKL-packed once,
-  `Llama.pack_weights`, where torch has MKL; ``--no-pack`` leaves them as Hugging Face has them);
+- our `generate` vs Hugging Face ``model.generate`` (our model's matmuls in the forms
+  `Llama.pack_weights` measures fastest on this machine; ``--no-pack`` leaves them as loaded);
 - our `speculative_generate` (prompt-lookup draft; a draft made of the target's first layers) vs
   our `generate` vs Hugging Face assisted generation with the same draft (``prompt_lookup_num_tokens=``,
   ``assistant_model=``), which supports one row at a time, so batch 8 loops over rows;
@@ -53,8 +53,8 @@ class Setup:
 
 def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Setup:
     """SmolLM2 as our model and as transformers models on the same converted weights, on ``device``
-    in ``dtype``. ``pack``: our model's matmul weights in MKL's packed layout (`Llama.pack_weights`),
-    where that applies (CPU float32, torch with MKL)."""
+    in ``dtype``. ``pack``: our model's matmuls in the forms `Llama.pack_weights` measures fastest,
+    where that applies (CPU float32)."""
     from transformers import LlamaForCausalLM
 
     from specdec_kernels.pretrained import load_smollm2, smollm2_folder
@@ -136,7 +136,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
     setup = load_setup(pack, device, dtype)
     cuda = torch.device(device).type == "cuda"
     setup.cuda_graphs = None if cuda_graphs else False
-    packed = setup.model.output.packing
+    plan = setup.model.output.plan
     rows = []
     for B in batch_sizes:
         methods = (("ours generate", run_ours, None), ("HF generate", run_hf, None),
@@ -178,7 +178,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
               "measured c, v, decoding-phase speedup | efficiency |\n|---|---|---|---|---|---|---|---|")
     return (f"SmolLM2-135M-Instruct {str(dtype).removeprefix('torch.')} on {device}, greedy, "
             f"{max_new_tokens} new tokens per row, K = {k}, "
-            f"median of {repeats} interleaved runs, our weights {'MKL-packed' if packed else 'unpacked'}"
+            f"median of {repeats} interleaved runs, our matmuls: {plan.describe() if plan else 'as loaded'}"
             f"{', our decoding steps replayed as CUDA graphs' if cuda and cuda_graphs else ''}\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
@@ -190,7 +190,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-pack", action="store_true", help="leave our model's weights unpacked")
+    parser.add_argument("--no-pack", action="store_true", help="leave our model's matmuls as loaded (no pack_weights)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--no-cuda-graphs", action="store_true", help="our loops decode eagerly on CUDA too")

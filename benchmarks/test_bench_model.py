@@ -1,20 +1,20 @@
 """Where a decode step of the built-in model spends its time, on SmolLM2-135M's shapes.
 
 - ``test_matmuls``: one pass over the weights of every layer plus the LM head (what a forward's
-  matmuls read), for ``rows`` = B * T activation rows, computed weight first (``weight @ x^T``,
-  what `specdec_kernels.model.linear` does on the CPU for 4 to 63 rows) and as ``F.linear``
-  (``x @ weight^T``, what it does for 1 to 3 rows and for 64 or more: 102 and 816 rows are the
-  generation benchmark's batch-1 and batch-8 prompts, padded), as ``F.linear`` on the weights
-  stored input-major (``F.linear_input_major``: what `Linear` runs for one row after
-  ``Llama.pack_weights()``), and by MKL's packed GEMM from weights packed once (``mkl_packed``, at
-  every row count: what `Linear` runs from 2 rows on after ``Llama.pack_weights()``).
+  matmuls read), for ``rows`` = B * T activation rows, in each form `Llama.pack_weights` chooses
+  from (`specdec_kernels.matmul`): ``weight_first`` (``weight @ x^T`` from row-major weights, one
+  row duplicated to two; also what `specdec_kernels.matmul.linear` runs for 4 to 63 rows without
+  a plan), ``F.linear`` from row-major weights (what that runs for 1 to 3 rows and for 64 or more:
+  102 and 816 rows are the generation benchmark's batch-1 and batch-8 prompts, padded) and from
+  input-major ones (``F.linear_input_major``), and MKL's packed GEMM from weights packed once
+  (``mkl_packed``).
 - ``test_rms_norm``: ``F.rms_norm`` (what `RMSNorm` runs in fp32; a composite of about ten ops
   on the CPU) against Hugging Face's LlamaRMSNorm ops spelled out (``pow``, ``mean``, ``add``,
   ``rsqrt``, two ``mul``), at 1 and 8 rows (decoding) and 816 (a batch-8 prefill of 102 tokens).
 - ``test_decode_step``: one decode step (B = 1 or 8, T = 1, 80 tokens cached) of a random-weight
   model with SmolLM2-135M's config, in a cache of 160 or 2048 positions, the latter also with
   ``max_seqlen`` (what the generation loops pass: attention then reads 81 positions, not 2048),
-  with the weights as loaded and packed (``Llama.pack_weights``);
+  with the weights as loaded and prepared (``Llama.pack_weights``, its plan in ``extra_info``);
   ``extra_info["aten_ops"]`` counts the ATen ops it dispatches (``torch.profiler``).
 
 Random weights: the shapes, not the values, set the cost, and nothing needs downloading.
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from benchmarks.timing import bench
 from specdec_kernels import Llama, LlamaConfig
-from specdec_kernels.model import mkl_pack, mkl_packed_linear, mkl_packing_available
+from specdec_kernels.matmul import mkl_pack, mkl_packed_linear, mkl_packing_available, weight_first
 
 pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -60,7 +60,6 @@ def weights():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 40, 64, 102, 816])
 def test_matmuls(benchmark, weights, impl, rows):
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    weight_first = lambda x, w: torch.mm(w, x.t()).t()
     # Same product, summed in another order (entries are sums of 576 unit-variance terms, ~24).
     torch.testing.assert_close(weight_first(inputs[576], weights[0]), F.linear(inputs[576], weights[0]),
                                rtol=1e-5, atol=1e-4)
@@ -113,9 +112,7 @@ def test_decode_step(benchmark, batch, capacity, bounded, weights):
     torch.manual_seed(0)
     model = Llama(SMOLLM2).eval()
     if weights == "packed":
-        if not mkl_packing_available():
-            pytest.skip("this torch build has no MKL")
-        model.pack_weights()  # under the benchmark's thread count
+        model.pack_weights()  # measured under the benchmark's thread count
     cache = model.new_cache(batch, capacity)
     max_seqlen = 81 if bounded else None
     model(torch.randint(0, SMOLLM2.vocab_size, (batch, 80)), cache, max_seqlen=max_seqlen and 80)
@@ -129,6 +126,8 @@ def test_decode_step(benchmark, batch, capacity, bounded, weights):
     with torch.profiler.profile() as prof:
         step()
     benchmark.group = f"decode step B={batch} {capacity}{' max_seqlen' if bounded else ''}"
+    if model.output.plan is not None:
+        benchmark.extra_info["matmul_plan"] = model.output.plan.describe()
     benchmark.extra_info["aten_ops"] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
     benchmark.extra_info["torch_threads"] = torch.get_num_threads()
     bench(benchmark, step, rounds=10)

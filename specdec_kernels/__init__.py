@@ -13,6 +13,7 @@ from ._backend import BACKENDS, auto_backend, interpreter_enabled, resolve_backe
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import KVCache
 from .generation import GenerationOutput, GenerationStats, PromptLookupDraft, generate, speculative_generate
+from .matmul import MatmulPlan
 from .model import Llama, LlamaConfig
 from .sampling import (
     RejectionNoise,
@@ -33,6 +34,7 @@ __all__ = [
     "GenerationStats",
     "Llama",
     "LlamaConfig",
+    "MatmulPlan",
     "PromptLookupDraft",
     "RaggedAttentionPlan",
     "KVCache",

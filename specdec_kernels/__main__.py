@@ -122,9 +122,11 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         _progress(0, 1, "loading SmolLM2-135M-Instruct")
         model, tokenizer = load_smollm2(device=args.device)
-        if model.can_pack_weights():
-            model.pack_weights()  # packed GEMM, input-major weights: faster matmuls, one more copy
         _progress(1, 1, "model loaded")
+        if model.can_pack_weights():
+            _progress(0, 1, "timing the matmul forms on this CPU")
+            model.pack_weights()  # the fastest matmul form per row count (a few seconds)
+            _progress(1, 1, "matmul forms chosen")
     except ModelNotInstalledError as e:
         print(f"\n{e}", file=sys.stderr)
         return 2
@@ -149,9 +151,10 @@ def run_demo(args: argparse.Namespace) -> int:
     for prompt, text in zip(prompts, outputs, strict=True):
         print(f"\n>>> {prompt}\n{text.strip()}")
     plain_tps, spec_tps = (totals[k][0] / totals[k][1] for k in ("plain", "speculative"))
-    packed = ", MKL-packed weights" if model.output.packing else ""
     print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, batch size {args.batch_size}, "
-          f"device {args.device}{packed}")
+          f"device {args.device}")
+    if model.output.plan is not None:
+        print(f"matmuls: {model.output.plan.describe()}")
     print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens)")
     print(f"plain decoding:       {plain_tps:7.1f} tokens/s")
     print(f"speculative decoding: {spec_tps:7.1f} tokens/s")

@@ -27,6 +27,10 @@ from torch import nn
 from ._backend import as_float32, device_check, is_int
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
+from .matmul import Linear, MatmulPlan, measured_matmul_plan
+
+# Applied only to check that weights can be prepared at all (CPU float32; no MKL needed).
+_ROW_MAJOR_PLAN = MatmulPlan(input_major=False, forms=((1, "linear"),))
 
 
 @dataclass
@@ -80,140 +84,6 @@ class LlamaConfig:
         known = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
         return cls(**{k: v for k, v in d.items() if k in known}, rope_theta=float(theta),
                    rope_scaling=rope or None)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` [..., in] and ``weight`` [out, in] (``F.linear`` without bias).
-
-    On the CPU, for 4 to 63 rows, it is computed as ``(weight @ x^T)^T``, which MKL runs faster
-    than ``F.linear``'s ``x @ weight^T`` there: over SmolLM2's weights on this project's 2-core
-    machines 1.26-1.40 x at 8 and 40 rows, but 1.1-1.2 x slower at one row, 1.4-1.6 x slower at
-    2 and 3 rows (where MKL runs ``F.linear`` at one row's cost) and 0.8-1.1 x from 64 rows up
-    (`benchmarks/test_bench_model.py`), where ``F.linear`` is kept. The result is then a
-    transposed view; the element-wise ops that follow read it in place.
-    """
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or not 4 <= rows < 64:
-        return F.linear(x, weight)
-    return torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
-
-
-# MKL chooses the GEMM kernels of a packed weight from the row count given when packing. Packed
-# for 64 rows, SmolLM2-135M's weights ran 1.1-1.6 x faster than with the best unpacked form from
-# 4 to 102 rows and 5% slower at 816 (benchmarks/test_bench_model.py::test_matmuls, two runs),
-# as fast at 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up (a scratch
-# script, 2026-11-22).
-_PACK_ROWS = 64
-# One row (decoding a single sequence) is a matrix-vector product that streams the weight once:
-# MKL ran it faster from an input-major weight ([in, out] in memory, so ``x @ W^T`` adds scaled
-# rows of W^T; ``F.linear`` on ``W^T``'s transposed view) than from the [out, in] rows: over
-# SmolLM2-135M's weights 36-42 against 41-46 ms, but 83-88 against 40-50 ms at 2 and 3 rows
-# (2 threads, three interleaved scratch runs, 2026-11-22). So a packed `Linear` keeps its weight
-# input-major, runs one row by ``F.linear`` on it and every other row count by the packed GEMM,
-# which took 43-52 ms at 2 and 3 rows.
-_MIN_PACKED_ROWS = 2
-
-
-def mkl_packing_available() -> bool:
-    """Whether this torch build has MKL's packed GEMM (`Llama.pack_weights`): x86 CPU builds do."""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def mkl_pack(weight: torch.Tensor) -> torch.Tensor:
-    """MKL's packed GEMM buffer of a CPU float32 ``weight`` [out, in] (an opaque tensor that can
-    be neither copied nor pickled), packed for the current number of torch threads."""
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_ROWS)
-
-
-def mkl_packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` from ``packed = mkl_pack(weight)``, for CPU float32 ``x`` [..., in]; the
-    input width is not checked (MKL would read past ``x``)."""
-    # The last argument must equal the input's row count, else torch's op falls back to an
-    # unpacked matmul. MKL's buffer records its own layout and serves any row count (the hint
-    # only picks the kernels); the tests compare it with F.linear at 4 to 130 rows.
-    return torch.ops.mkl._mkl_linear(x, packed, weight, None, x.numel() // x.shape[-1])
-
-
-def _weight_identity(weight: torch.Tensor) -> tuple:
-    """What a packed copy of ``weight`` must still match: its storage, in-place change counter
-    (inference tensors have none) and layout."""
-    version = None if weight.is_inference() else weight._version
-    return weight.data_ptr(), version, weight.dtype, weight.device, weight.shape, weight.stride()
-
-
-def _store_weight(weight: torch.Tensor, *, input_major: bool) -> None:
-    """Store ``weight`` [out, in] input-major (``weight.t()`` contiguous) or row-major, in place of
-    its data (a parameter stays the same object, tied weights stay tied; values are unchanged)."""
-    source = weight.t() if input_major else weight
-    if source.is_contiguous():
-        return
-    # An inference tensor stays one (it has no version counter), any other never becomes one.
-    with torch.inference_mode(weight.is_inference()), torch.no_grad():
-        stored = source.clone(memory_format=torch.contiguous_format)
-    weight.data = stored.t() if input_major else stored
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` without bias, computed by `linear`; or, after `pack`, by MKL's packed GEMM
-    from a copy of the weight in MKL's layout, for CPU float32 inputs of 2 rows or more without
-    autograd, and by ``F.linear`` on the weight stored input-major for one row (see
-    `_MIN_PACKED_ROWS`). The copy is not a parameter or buffer (``state_dict`` ignores it;
-    ``.to()`` and the like drop it); it is made again from the weight at the first use after the
-    weight has changed, and copies of the module (``copy.deepcopy``, pickling) make their own.
-    `unpack` stores the weight row-major again."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
-        self.packing = False
-        # (weight identity, the weight packed, MKL's buffer). Holding the weight keeps its
-        # storage, so a new weight cannot reuse the address and pass for the packed one.
-        self._packed: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
-
-    def check_packable(self) -> None:
-        """Raise unless `pack` can pack this weight: ValueError for a weight that is not CPU
-        float32, RuntimeError without MKL."""
-        weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            raise ValueError(f"packing needs a CPU float32 weight, got {weight.dtype} on {weight.device}")
-        if not mkl_packing_available():
-            raise RuntimeError("packing needs a torch build with MKL (torch.backends.mkl.is_available())")
-
-    def pack(self) -> None:
-        """Use MKL's packed GEMM from now on, the weight stored input-major (see `Llama.pack_weights`)."""
-        self.check_packable()
-        self.packing = True
-        _store_weight(self.weight, input_major=True)
-        self._packed = (_weight_identity(self.weight), self.weight.detach(), mkl_pack(self.weight))
-
-    def unpack(self) -> None:
-        """Drop the packed copy and store the weight row-major: every input is then computed by `linear`."""
-        self.packing, self._packed = False, None
-        _store_weight(self.weight, input_major=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, rows = self.weight, x.numel() // max(x.shape[-1], 1)
-        if (not self.packing or rows < _MIN_PACKED_ROWS or x.device.type != "cpu"
-                or not x.dtype == weight.dtype == torch.float32
-                or x.shape[-1] != weight.shape[1]  # MKL's op does not check it: let F.linear raise
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward
-            return linear(x, weight)
-        if self._packed is None or self._packed[0] != _weight_identity(weight):  # new, replaced or changed
-            self.pack()
-        return mkl_packed_linear(x, self._packed[2], weight)
-
-    def _apply(self, fn, recurse=True):
-        # ``.to()``, ``.cuda()``, ``.half()``...: the copy would pin the old weight; pack anew at next use.
-        self._packed = None
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self) -> dict:
-        # MKL's buffer can be neither copied nor pickled (nor moved): copies pack their own.
-        return {**super().__getstate__(), "_packed": None}
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        if self.packing and not mkl_packing_available():  # unpickled where torch has no MKL
-            self.unpack()
 
 
 class RMSNorm(nn.Module):
@@ -477,60 +347,85 @@ class Llama(nn.Module):
         return draft
 
     def can_pack_weights(self) -> bool:
-        """Whether `pack_weights` can pack this model: CPU float32 weights and torch with MKL."""
+        """Whether `pack_weights` can prepare this model: every matmul weight is CPU float32."""
         try:
             for module in self.modules():
                 if isinstance(module, Linear):
-                    module.check_packable()
+                    module.check_packable(_ROW_MAJOR_PLAN)
         except (ValueError, RuntimeError):
             return False
         return True
 
-    def pack_weights(self, enable: bool = True) -> Llama:
-        """Keep a copy of every matmul weight (projections and LM head) in MKL's packed GEMM layout,
-        for CPU float32 inference; ``enable=False`` drops the copies. Returns the model.
+    def pack_weights(self, enable: bool = True, *, plan: MatmulPlan | None = None) -> Llama:
+        """Prepare every matmul (projections and LM head) for CPU float32 inference in the form
+        this machine runs fastest; ``enable=False`` undoes it. Returns the model.
 
-        A GEMM copies panels of its weight into its kernels' layout on every call; packed once,
-        the weight is read as it lies. On SmolLM2-135M's weights (2 threads, two runs of
-        ``SPECDEC_BENCH_THREADS=2 python -m pytest benchmarks/test_bench_model.py -k matmuls``),
-        a forward's matmuls ran 1.1-1.4 x faster than the best unpacked form at 4, 5 and 8 rows
-        (decoding batches, verifying drafts), 1.1-1.6 x at 40 to 102 rows, and 5% slower at 816.
-        At 2 and 3 rows it is about as fast as ``F.linear``. Each weight itself is stored
-        input-major (``weight.t()`` contiguous; the parameters keep their shapes, values and ties),
-        which made one-row products (decoding one sequence) faster (see `_MIN_PACKED_ROWS`);
-        ``pack_weights(False)`` stores them row-major again. A tied input embedding is stored
-        input-major with the LM head, which makes its lookups strided gathers: 0.05-0.06 against
-        0.007 ms for 8 tokens (a batch-8 decoding step), 14-18 against 0.1-0.25 ms for 816 (a
-        batch-8 prefill; SmolLM2's table, 1-2 threads, scratch timing), against the LM head's
-        gain at every one-row step. The
-        copies add about one more copy of those weights to the resident memory (MKL reserves
-        more address space than it touches); weights that shared storage with another model (a
-        `from_pretrained` of a loaded module) no longer do, which adds another copy of those.
-        MKL packs for the current number of torch threads (for its speed; results do not depend
-        on it): call this method again after changing it. Forwards on other devices or dtypes,
-        or with autograd, run as unpacked (``.to()``, copies and pickles keep the input-major
-        layout). The weights are then not contiguous: ``save_pretrained`` stores them as usual,
-        but a ``state_dict()`` given straight to safetensors' ``save_file`` needs
-        ``.contiguous()``. A weight replaced or changed in place
-        afterwards is packed again at its next use (a change made through ``.data``, or in place
-        to a weight created under ``torch.inference_mode``, is not seen: call this method
-        again); ``.to()`` drops the copies, which are made again at the next CPU float32 use.
-        Drafts made by `truncated` share the layers and so the copies (``pack_weights(False)``
-        on a draft unpacks them for the target too). Nothing is packed if any weight cannot be.
+        Without ``plan``, `measured_matmul_plan` times each form (``F.linear``, ``weight @ x^T``
+        and MKL's packed GEMM) and weight layout (row-major, input-major) on the first
+        layers' weights and the LM head, at 1 to 64 rows (about 3 s for SmolLM2-135M on a
+        2-core VM, once per process), and picks a layout and a form per row count: what won
+        differs between machines (`specdec_kernels.matmul`). ``plan=`` applies a given
+        `MatmulPlan` instead (``MKL_PACKED_PLAN``, for one). Every `Linear` then stores its
+        weight in the plan's layout, in place (the parameters keep their shapes, values and
+        ties; ``pack_weights(False)`` stores them row-major again), and, if the plan uses MKL's
+        packed GEMM, a packed copy of it, which adds about one more copy of those weights to the
+        resident memory (MKL reserves more address space than it touches); weights that shared
+        storage with another model (a `from_pretrained` of a loaded module) no longer do, which
+        adds another copy of those. MKL packs for the current number of torch threads (for its
+        speed; results do not depend on it): call this method again after changing it.
+
+        A tied input embedding stored input-major with the LM head makes its lookups strided
+        gathers: 0.05-0.06 against 0.007 ms for 8 tokens (a batch-8 decoding step), 14-18
+        against 0.1-0.25 ms for 816 (a batch-8 prefill; SmolLM2's table, 1-2 threads, scratch
+        timing), against the LM head's gain at every one-row step.
+
+        Forwards on other devices or dtypes, or with autograd, run as without a plan (``.to()``,
+        copies and pickles keep the layout). Input-major weights are not contiguous:
+        ``save_pretrained`` stores them as usual, but a ``state_dict()`` given straight to
+        safetensors' ``save_file`` needs ``.contiguous()``. A weight replaced or changed in
+        place afterwards is packed again at its next use (a change made through ``.data``, or in
+        place to a weight created under ``torch.inference_mode``, is not seen: call this method
+        again); ``.to()`` drops the packed copies, which are made again at the next CPU float32
+        use. Drafts made by `truncated` share the layers and so the plan and copies
+        (``pack_weights(False)`` on a draft undoes it for the target too). Nothing is changed if
+        any weight cannot follow the plan.
 
         Raises:
-            ValueError: a weight is not a CPU float32 tensor.
-            RuntimeError: this torch build has no MKL (`mkl_packing_available`).
+            ValueError: a weight is not a CPU float32 tensor, or ``plan`` is not a `MatmulPlan`.
+            RuntimeError: ``plan`` has MKL's packed GEMM and this torch build has no MKL
+                (`specdec_kernels.matmul.mkl_packing_available`).
         """
         layers = {name: module for name, module in self.named_modules() if isinstance(module, Linear)}
-        for name, layer in layers.items() if enable else ():
+        if not enable:
+            for layer in layers.values():
+                layer.unpack()
+            return self
+        if plan is not None and not isinstance(plan, MatmulPlan):
+            raise ValueError(f"plan must be a MatmulPlan or None, got {type(plan).__name__}")
+        for name, layer in layers.items():
             try:
-                layer.check_packable()
+                layer.check_packable(plan or _ROW_MAJOR_PLAN)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
+        if plan is None:
+            plan = measured_matmul_plan(self._matmul_sample())
         for layer in layers.values():
-            layer.pack() if enable else layer.unpack()
+            layer.pack(plan)
         return self
+
+    def _matmul_sample(self, budget: int = 256 << 20) -> list[torch.Tensor]:
+        """Weights to time the matmul forms on (`pack_weights`): the first layers' and the LM
+        head's, in forward order, about ``budget`` bytes (more than a CPU's last-level cache, so
+        that they stream from memory as in decoding), or all of them in a smaller model."""
+        head = self.output.weight
+        weights, size = [], head.numel() * head.element_size()
+        for layer in self.layers:
+            layer_weights = [m.weight for m in layer.modules() if isinstance(m, Linear)]
+            weights += layer_weights
+            size += sum(w.numel() * w.element_size() for w in layer_weights)
+            if size >= budget:
+                break
+        return [*weights, head]
 
     # ----------------------------------------------------------------- loading Hugging Face weights
 

@@ -5,7 +5,17 @@ import torch
 import torch.nn.functional as F
 
 from specdec_kernels import KVCache
-from specdec_kernels.model import Linear, Llama, LlamaConfig, RMSNorm, linear, mkl_packing_available
+from specdec_kernels.matmul import (
+    MKL_PACKED_PLAN,
+    Linear,
+    MatmulPlan,
+    choose_matmul_plan,
+    linear,
+    measure_matmul_plan,
+    mkl_packing_available,
+    weight_first,
+)
+from specdec_kernels.model import Llama, LlamaConfig, RMSNorm
 from specdec_kernels.testing import assert_close
 
 from tiny_models import tiny_config, tiny_llama
@@ -270,15 +280,20 @@ def test_sliding_window_caps_the_context():
         generate(model, ids, max_new_tokens=7)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 63, 64, 65])
-def test_linear_matches_f_linear_at_every_row_count(rows):
-    # `linear` switches between x @ W^T and (W @ x^T)^T by row count; both are the same product.
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 63, 64, 65])
+def test_linear_and_weight_first_match_f_linear_at_every_row_count(rows):
+    # `linear` switches between x @ W^T and (W @ x^T)^T by row count; both are the same product,
+    # from a weight stored either way and an input that need not be contiguous.
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(40, 24, generator=gen)
     x = torch.randn(rows, 1, 24, generator=gen)
-    out = linear(x, weight)
-    assert out.shape == (rows, 1, 40)
-    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(rows, 1, 48, generator=gen)[..., ::2]
+    for w in (weight, weight.t().contiguous().t()):
+        for fn in (linear, weight_first):
+            for inputs in (x, strided):
+                out = fn(inputs, w)
+                assert out.shape == (rows, 1, 40)
+                torch.testing.assert_close(out, F.linear(inputs, weight), rtol=1e-5, atol=1e-5)
 
 
 needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
@@ -318,18 +333,26 @@ def test_packed_linear_matches_f_linear_at_every_row_count(rows, features):
 
 
 @needs_mkl
+def logits_after_prefill(models, ids: torch.Tensor, prefill: int, q_seqlens: torch.Tensor) -> list[torch.Tensor]:
+    """Each model's logits for ``ids[:, prefill:]`` (ragged ``q_seqlens``) after a prefill of
+    the first ``prefill`` tokens, in a cache of its own."""
+    logits = []
+    with torch.inference_mode():
+        for m in models:
+            cache = m.new_cache(*ids.shape)
+            m(ids[:, :prefill], cache)
+            logits.append(m(ids[:, prefill:], cache, q_seqlens))
+    return logits
+
+
 @pytest.mark.parametrize("B, T", [(1, 1), (1, 3), (2, 2), (3, 5), (8, 1), (4, 17)])
 def test_packed_weights_give_the_unpacked_results(B, T):
     model = tiny_llama(seed=1)
-    packed = tiny_llama(seed=1).pack_weights()
+    packed = tiny_llama(seed=1).pack_weights(plan=MKL_PACKED_PLAN)
     ids = torch.randint(0, 97, (B, 6 + T), generator=torch.Generator().manual_seed(B * T))
     q_seqlens = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(T))
+    logits = logits_after_prefill((model, packed), ids, 6, q_seqlens)
     with torch.inference_mode():
-        logits = []
-        for m in (model, packed):
-            cache = m.new_cache(B, 6 + T)
-            m(ids[:, :6], cache)
-            logits.append(m(ids[:, 6:], cache, q_seqlens))
         # Every matmul (2 layers x 4, plus the head) is packed from 2 rows on; one row runs F.linear.
         assert mkl_linear_calls(lambda: packed(ids[:, :T], packed.new_cache(B, T))) == (9 if B * T >= 2 else 0)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
@@ -339,7 +362,7 @@ def test_packed_weights_give_the_unpacked_results(B, T):
 def test_packing_stores_weights_input_major_and_unpacking_row_major():
     model, unpacked = tiny_llama(seed=5, tie_word_embeddings=True), tiny_llama(seed=5, tie_word_embeddings=True)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    model.pack_weights()
+    model.pack_weights(plan=MKL_PACKED_PLAN)
     assert all(m.weight.t().is_contiguous() for m in layers)
     assert model.output.weight is model.tok_embeddings.weight  # still tied: one parameter, stored anew
     state, unpacked_state = model.state_dict(), unpacked.state_dict()
@@ -362,7 +385,7 @@ def test_packing_stores_weights_input_major_and_unpacking_row_major():
 def test_packed_weights_follow_weight_changes_and_stay_out_of_the_state_dict():
     model = tiny_llama(seed=2)
     keys = set(model.state_dict())
-    draft = model.pack_weights().truncated(1)
+    draft = model.pack_weights(plan=MKL_PACKED_PLAN).truncated(1)
     assert set(model.state_dict()) == keys
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     layer = model.layers[0].attention.wqkv
@@ -399,7 +422,7 @@ def test_copies_of_a_packed_model_pack_their_own_weights():
     import copy
     import io
 
-    model = tiny_llama(seed=4).pack_weights()
+    model = tiny_llama(seed=4).pack_weights(plan=MKL_PACKED_PLAN)
     buffer = io.BytesIO()
     torch.save(model, buffer)  # MKL's buffer itself cannot be pickled or copied
     buffer.seek(0)
@@ -416,14 +439,15 @@ def test_copies_of_a_packed_model_pack_their_own_weights():
 def test_a_packed_model_unpickled_without_mkl_runs_unpacked(monkeypatch):
     import io
 
-    import specdec_kernels.model
+    import specdec_kernels.matmul
 
-    buffer = io.BytesIO()
-    torch.save(tiny_llama().pack_weights(), buffer)
-    buffer.seek(0)
-    monkeypatch.setattr(specdec_kernels.model, "mkl_packing_available", lambda: False)
-    model = torch.load(buffer, weights_only=False)
+    buffers = [io.BytesIO(), io.BytesIO()]
+    torch.save(tiny_llama().pack_weights(plan=MKL_PACKED_PLAN), buffers[0])
+    torch.save(tiny_llama().pack_weights(plan=WEIGHT_FIRST_PLAN), buffers[1])
+    monkeypatch.setattr(specdec_kernels.matmul, "mkl_packing_available", lambda: False)
+    model, other = (torch.load(io.BytesIO(b.getvalue()), weights_only=False) for b in buffers)
     assert not model.output.packing and model.output.weight.is_contiguous()  # row-major again
+    assert other.output.plan == WEIGHT_FIRST_PLAN  # needs no MKL
     ids = torch.randint(0, 97, (2, 5))
     with torch.inference_mode():
         assert mkl_linear_calls(lambda: model(ids, model.new_cache(2, 5))) == 0
@@ -460,14 +484,91 @@ def test_packed_weights_keep_autograd_and_other_dtypes_on_the_plain_path():
 
 
 def test_can_pack_weights_says_whether_pack_weights_would_pack(monkeypatch):
-    from specdec_kernels import model as model_module
+    from specdec_kernels import matmul
 
     model = tiny_llama()
-    assert model.can_pack_weights() == model_module.mkl_packing_available()
-    model.output.to(torch.float16)  # one weight that cannot be packed
+    assert model.can_pack_weights()
+    model.output.to(torch.float16)  # one weight that cannot be prepared
     assert not model.can_pack_weights()
-    monkeypatch.setattr(model_module, "mkl_packing_available", lambda: False)
-    assert not tiny_llama().can_pack_weights()
+    monkeypatch.setattr(matmul, "mkl_packing_available", lambda: False)
+    assert tiny_llama().can_pack_weights()  # a measured plan then leaves MKL's packed GEMM out
+    with pytest.raises(RuntimeError, match="'packed' form needs a torch build with MKL"):
+        tiny_llama().pack_weights(plan=MKL_PACKED_PLAN)
+    assert not matmul.measure_matmul_plan([torch.randn(8, 4)], row_counts=(1, 2), repeats=1).uses_mkl_packing
+
+
+WEIGHT_FIRST_PLAN = MatmulPlan(input_major=False, forms=((1, "weight_first"), (65, "linear")))
+PLANS = [pytest.param(MKL_PACKED_PLAN, id="mkl-packed", marks=needs_mkl),
+         pytest.param(WEIGHT_FIRST_PLAN, id="weight-first"),
+         pytest.param(MatmulPlan(input_major=True, forms=((1, "linear"), (3, "weight_first"))), id="input-major-mixed"),
+         pytest.param(None, id="measured")]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_every_plan_gives_the_unprepared_logits(plan):
+    """Whatever plan `pack_weights` applies (or measures), a ragged batch's logits are those of
+    the model as loaded, at one row, a few and more than 64, and the weights keep their values."""
+    model, prepared = tiny_llama(seed=6), tiny_llama(seed=6).pack_weights(plan=plan)
+    assert isinstance(prepared.output.plan, MatmulPlan)
+    assert all(m.plan is prepared.output.plan for m in prepared.modules() if isinstance(m, Linear))
+    state = prepared.state_dict()
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+    gen = torch.Generator().manual_seed(6)
+    for B, T in ((1, 1), (3, 2), (9, 8)):
+        ids = torch.randint(0, 97, (B, 4 + T), generator=gen)
+        q_seqlens = torch.randint(1, T + 1, (B,), generator=gen)
+        logits = logits_after_prefill((model, prepared), ids, 4, q_seqlens)
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_plan_forms_and_validation():
+    plan = MatmulPlan(input_major=False, forms=((1, "weight_first"), (4, "packed"), (65, "linear")))
+    assert [plan.form(rows) for rows in (0, 1, 3, 4, 64, 65, 1000)] == [
+        "weight_first", "weight_first", "weight_first", "packed", "packed", "linear", "linear"]
+    assert plan.uses_mkl_packing and not WEIGHT_FIRST_PLAN.uses_mkl_packing
+    assert plan.describe() == "row-major weights; 1-3 rows: weight_first, 4-64 rows: packed, 65+ rows: linear"
+    assert MKL_PACKED_PLAN.describe() == "input-major weights; 1 row: linear, 2+ rows: packed"
+    for forms in ((), ((2, "linear"),), ((1, "linear"), (1, "packed")), ((1, "linear"), (3, "gemv")),
+                  ((1, "linear"), (5, "packed"), (3, "linear"))):
+        with pytest.raises(ValueError, match="forms|form must be one of"):
+            MatmulPlan(input_major=False, forms=forms)
+    with pytest.raises(ValueError, match="input_major must be a bool"):
+        MatmulPlan(input_major=1, forms=((1, "linear"),))
+    with pytest.raises(ValueError, match="plan must be a MatmulPlan or None"):
+        tiny_llama().pack_weights(plan="weight_first")
+
+
+def test_choose_matmul_plan_follows_the_measured_times():
+    """The measurements of two machines (ms, SmolLM2's weights): one where MKL's packed GEMM wins
+    from 2 rows and one row is fastest from input-major weights, one where ``weight @ x^T`` from
+    row-major weights wins everywhere."""
+    def times(rows_linear, rows_weight_first, inputs_linear, packed):
+        return {(False, "linear"): rows_linear, (False, "weight_first"): rows_weight_first,
+                (True, "linear"): inputs_linear, (None, "packed"): packed}
+
+    packed_machine = {1: times(33.5, 45.0, 27.7, 33.0), 2: times(34.0, 50.0, 60.0, 33.0),
+                      8: times(60.0, 52.0, 70.0, 40.0), 64: times(150.0, 140.0, 160.0, 100.0)}
+    assert choose_matmul_plan(packed_machine) == MatmulPlan(
+        input_major=True, forms=((1, "linear"), (2, "packed"), (65, "linear")))
+    first_machine = {1: times(45.9, 23.9, 31.9, 33.2), 2: times(76.5, 17.5, 48.8, 55.0),
+                     8: times(61.1, 39.1, 67.9, 71.0), 64: times(141.9, 125.3, 151.1, 151.8)}
+    assert choose_matmul_plan(first_machine) == WEIGHT_FIRST_PLAN
+    without_mkl = {rows: {k: v for k, v in t.items() if k[0] is not None} for rows, t in packed_machine.items()}
+    assert choose_matmul_plan(without_mkl) == MatmulPlan(
+        input_major=False, forms=((1, "linear"), (8, "weight_first"), (65, "linear")))
+
+
+def test_measure_matmul_plan_checks_its_arguments():
+    for bad in ([], [torch.randn(4, 4, dtype=torch.float64)], [torch.randn(4)]):
+        with pytest.raises(ValueError, match="weights must"):
+            measure_matmul_plan(bad)
+    for counts in ((), (2, 4), (1, 4, 2), (1, 1)):
+        with pytest.raises(ValueError, match="row_counts must"):
+            measure_matmul_plan([torch.randn(4, 4)], row_counts=counts)
+    with pytest.raises(ValueError, match="repeats must"):
+        measure_matmul_plan([torch.randn(4, 4)], repeats=0)
+    plan = measure_matmul_plan([torch.randn(8, 4), torch.randn(4, 8)], row_counts=(1, 3), repeats=1)
+    assert plan.forms[0][0] == 1 and plan.form(4) == "linear"
 
 
 @pytest.mark.parametrize("dim", [96, 576])

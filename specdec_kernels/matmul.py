@@ -1,0 +1,358 @@
+"""The built-in model's CPU matmuls: ``x @ weight.T`` in the form this machine runs fastest.
+
+Three forms compute the same product for ``x`` [..., in] and ``weight`` [out, in]:
+
+- ``"linear"``: ``F.linear(x, weight)``;
+- ``"weight_first"``: ``(weight @ x^T)^T`` with ``x`` made contiguous (one row is duplicated to
+  two: MKL then runs its GEMM instead of its matrix-vector kernel); the result is a transposed
+  view, which the element-wise ops that follow read in place;
+- ``"packed"``: MKL's packed GEMM from a copy of the weight packed once (x86 builds of torch).
+
+and the weight itself may be stored row-major (``[out, in]`` contiguous, as loaded) or
+input-major (``weight.t()`` contiguous). Which is fastest depends on the row count and on the
+machine. On this project's 2-core VMs, over every matmul weight of SmolLM2-135M, 2 threads:
+
+- an Intel Xeon (earlier sessions, `benchmarks/CPU_HISTORY.md`): the packed GEMM 1.1-1.6 x
+  faster than the best unpacked form from 4 to 102 rows and as fast at 2-3; one row fastest
+  from an input-major weight (27.7 / 28.1 ms against 33.5 / 31.8 ms for ``F.linear``);
+- an AMD EPYC (2026-11-25): ``weight_first`` from row-major weights 1.8-3.8 x faster than the
+  packed GEMM from 2 to 8 rows (17.5 against 55 ms at 2, 39 against 71 ms at 8), 1.2-1.3 x at
+  16-64, and 23.9 ms at one row against 31.4 ms for the input-major ``F.linear``; but 80 ms at
+  2 rows when ``x^T`` was handed to MKL contiguous rather than as ``x``'s transposed view.
+
+So `measure_matmul_plan` times the forms on the model's own weights and returns a `MatmulPlan`
+(a weight layout, and a form per row count); `Linear` follows it once `Llama.pack_weights`
+has applied it. Without a plan, `linear` picks by row count alone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._backend import is_int
+
+FORMS = ("linear", "weight_first", "packed")
+
+
+def weight_first(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` computed as ``(weight @ x^T)^T`` (``x`` [..., in], ``weight`` [out, in]).
+
+    ``x`` is made contiguous so that MKL is handed ``x^T`` as a transposed view; a single row is
+    duplicated to two (see the module docstring). Returns a transposed view [..., out]."""
+    rows, width = x.numel() // max(x.shape[-1], 1), x.shape[-1]
+    x2 = x.reshape(rows, width).contiguous()
+    if rows == 1:
+        x2 = torch.cat((x2, x2))
+    return torch.mm(weight, x2.t())[:, :rows].t().reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` [..., in] and ``weight`` [out, in] (``F.linear`` without bias),
+    without a measured plan: on the CPU, for 4 to 63 rows, by `weight_first`, which MKL ran
+    1.26-1.40 x faster than ``F.linear`` over SmolLM2's weights at 8 and 40 rows on an Intel
+    Xeon (1.1-1.2 x slower at one row, 1.4-1.6 x slower at 2-3, 0.8-1.1 x from 64 rows up), and
+    1.2-1.6 x faster from 4 to 64 rows on an AMD EPYC (`benchmarks/test_bench_model.py`)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if x.device.type != "cpu" or not 4 <= rows < 64:
+        return F.linear(x, weight)
+    return weight_first(x, weight)
+
+
+# MKL chooses the GEMM kernels of a packed weight from the row count given when packing. Packed
+# for 64 rows, SmolLM2-135M's weights ran 1.1-1.6 x faster than with the best unpacked form from
+# 4 to 102 rows and 5% slower at 816 on an Intel Xeon (benchmarks/test_bench_model.py::test_matmuls,
+# two runs), as fast at 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up.
+_PACK_ROWS = 64
+
+
+def mkl_packing_available() -> bool:
+    """Whether this torch build has MKL's packed GEMM (the ``"packed"`` form): x86 CPU builds do."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def mkl_pack(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed GEMM buffer of a CPU float32 ``weight`` [out, in] (an opaque tensor that can
+    be neither copied nor pickled), packed for the current number of torch threads."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_ROWS)
+
+
+def mkl_packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` from ``packed = mkl_pack(weight)``, for CPU float32 ``x`` [..., in]; the
+    input width is not checked (MKL would read past ``x``)."""
+    # The last argument must equal the input's row count, else torch's op falls back to an
+    # unpacked matmul. MKL's buffer records its own layout and serves any row count (the hint
+    # only picks the kernels); the tests compare it with F.linear at 4 to 130 rows.
+    return torch.ops.mkl._mkl_linear(x, packed, weight, None, x.numel() // x.shape[-1])
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """How a prepared `Linear` computes ``x @ weight.T`` on the CPU in float32.
+
+    Attributes:
+        input_major: store the weights input-major (``weight.t()`` contiguous) instead of
+            row-major.
+        forms: ``(min_rows, form)`` pairs with ascending ``min_rows``, the first 1: inputs of
+            ``rows`` rows run the form of the last pair with ``min_rows <= rows``; each form is
+            one of `FORMS`.
+    """
+
+    input_major: bool
+    forms: tuple[tuple[int, str], ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.input_major, bool):
+            raise ValueError(f"input_major must be a bool, got {self.input_major!r}")
+        starts = [start for start, _ in self.forms]
+        if not starts or starts[0] != 1 or any(not is_int(s) for s in starts) or starts != sorted(set(starts)):
+            raise ValueError(f"forms must be (min_rows, form) pairs with strictly ascending int min_rows "
+                             f"starting at 1, got {self.forms!r}")
+        for _, form in self.forms:
+            if form not in FORMS:
+                raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+
+    def form(self, rows: int) -> str:
+        """The form that runs inputs of ``rows`` rows."""
+        chosen = self.forms[0][1]
+        for start, form in self.forms:
+            if rows < start:
+                break
+            chosen = form
+        return chosen
+
+    @property
+    def uses_mkl_packing(self) -> bool:
+        return any(form == "packed" for _, form in self.forms)
+
+    def describe(self) -> str:
+        """One line, e.g. ``"row-major weights; 1 row: weight_first, 65+ rows: linear"``."""
+        ends = [start - 1 for start, _ in self.forms[1:]] + [None]
+        spans = []
+        for (start, form), end in zip(self.forms, ends, strict=True):
+            rows = f"{start}+" if end is None else (str(start) if end == start else f"{start}-{end}")
+            spans.append(f"{rows} row{'' if rows == '1' else 's'}: {form}")
+        return f"{'input' if self.input_major else 'row'}-major weights; " + ", ".join(spans)
+
+
+#: MKL's packed GEMM from 2 rows on, one row by ``F.linear`` from an input-major weight: what the
+#: Intel Xeon measurements favoured (see the module docstring).
+MKL_PACKED_PLAN = MatmulPlan(input_major=True, forms=((1, "linear"), (2, "packed")))
+
+# Row counts `measure_matmul_plan` times (decoding batches, verification widths); above the last,
+# "linear" runs (prefills: the forms measured within 0.8-1.2 x of each other at 102 and 816 rows
+# on both machines).
+MEASURED_ROWS = (1, 2, 4, 8, 16, 64)
+
+
+#: What `measure_matmul_plan` times: (layout, form) pairs, the layout True for input-major
+#: weights, False for row-major, None for the packed copies (they read neither).
+Candidate = tuple[bool | None, str]
+
+
+def _fastest_seconds(fn: Callable[[], object], repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_matmul_plan(weights: Sequence[torch.Tensor], *, row_counts: Sequence[int] = MEASURED_ROWS,
+                        repeats: int = 2) -> MatmulPlan:
+    """Time every form and weight layout on ``weights`` and return the fastest `MatmulPlan`
+    (`choose_matmul_plan`).
+
+    Each candidate, ``"linear"`` and ``"weight_first"`` from row-major weights, ``"linear"``
+    from input-major ones, and ``"packed"`` (where torch has MKL), runs one pass over all of
+    ``weights`` at each of ``row_counts`` rows, ``repeats`` times (the fastest counts), after
+    one untimed pass each at one row.
+
+    Args:
+        weights: CPU float32 [out, in] weights in the order a forward pass reads them. Give more
+            bytes than the last-level cache holds (a few layers and the LM head), so the passes
+            stream them from memory as decoding does; the weights themselves are not changed.
+        row_counts: ascending row counts to time, the first 1.
+        repeats: timed passes per candidate and row count.
+
+    Raises:
+        ValueError: no weights, a weight that is not CPU float32 [out, in], or bad row counts.
+    """
+    if not weights:
+        raise ValueError("weights must hold at least one weight")
+    for w in weights:
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.device.type != "cpu" or w.dtype != torch.float32:
+            raise ValueError(f"weights must be CPU float32 [out, in] tensors, got "
+                             f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    counts = list(row_counts)
+    if not counts or counts[0] != 1 or counts != sorted(set(counts)) or not all(is_int(r) for r in counts):
+        raise ValueError(f"row_counts must be strictly ascending ints starting at 1, got {row_counts!r}")
+    if not is_int(repeats) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    with torch.inference_mode():
+        weights = [w.detach() for w in weights]
+        rows_first = [w if w.is_contiguous() else w.contiguous() for w in weights]            # row-major
+        inputs_first = [w if w.t().is_contiguous() else w.t().contiguous().t() for w in weights]  # input-major
+        candidates: dict[Candidate, Callable] = {
+            (False, "linear"): lambda xs: [F.linear(xs[w.shape[1]], w) for w in rows_first],
+            (False, "weight_first"): lambda xs: [weight_first(xs[w.shape[1]], w) for w in rows_first],
+            (True, "linear"): lambda xs: [F.linear(xs[w.shape[1]], w) for w in inputs_first],
+        }
+        if mkl_packing_available():
+            packed = [mkl_pack(w) for w in rows_first]
+            candidates[(None, "packed")] = lambda xs: [mkl_packed_linear(xs[w.shape[1]], p, w)
+                                                       for w, p in zip(rows_first, packed, strict=True)]
+        gen = torch.Generator().manual_seed(0)
+        one_row = {w.shape[1]: torch.randn(1, w.shape[1], generator=gen) for w in weights}
+        for run in candidates.values():  # first calls: allocations, MKL's own setup
+            run(one_row)
+        seconds: dict[int, dict[Candidate, float]] = {}
+        for rows in counts:
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w in weights}
+            seconds[rows] = {key: _fastest_seconds(lambda run=run, xs=xs: run(xs), repeats)
+                             for key, run in candidates.items()}
+    return choose_matmul_plan(seconds)
+
+
+def choose_matmul_plan(seconds: Mapping[int, Mapping[Candidate, float]]) -> MatmulPlan:
+    """The fastest `MatmulPlan` for measured times: ``seconds[rows][(layout, form)]`` (see
+    `Candidate`), for ascending row counts, the first 1.
+
+    The layout is the one whose best candidate is closest to the best of all across the row
+    counts (geometric mean of the ratios; row-major on a tie); each row count then takes its
+    fastest form in that layout (the packed copies belong to both); rows above the last count
+    run ``"linear"``.
+    """
+    def in_layout(times: Mapping[Candidate, float], input_major: bool) -> dict[str, float]:
+        return {form: t for (layout, form), t in times.items() if layout in (input_major, None)}
+
+    def layout_cost(input_major: bool) -> float:
+        return sum(math.log(min(in_layout(times, input_major).values()) / min(times.values()))
+                   for times in seconds.values())
+
+    input_major = layout_cost(True) < layout_cost(False)
+    forms: list[tuple[int, str]] = []
+    for rows in sorted(seconds):
+        times = in_layout(seconds[rows], input_major)
+        form = min(times, key=times.get)
+        if not forms or forms[-1][1] != form:
+            forms.append((rows, form))
+    if forms[-1][1] != "linear":
+        forms.append((max(seconds) + 1, "linear"))
+    return MatmulPlan(input_major=input_major, forms=tuple(forms))
+
+
+_MEASURED: dict[tuple, MatmulPlan] = {}
+
+
+def measured_matmul_plan(weights: Sequence[torch.Tensor]) -> MatmulPlan:
+    """`measure_matmul_plan` once per process for weights of these shapes and this number of
+    torch threads (later calls return the plan measured first)."""
+    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(), mkl_packing_available())
+    if key not in _MEASURED:
+        _MEASURED[key] = measure_matmul_plan(weights)
+    return _MEASURED[key]
+
+
+def _weight_identity(weight: torch.Tensor) -> tuple:
+    """What a packed copy of ``weight`` must still match: its storage, in-place change counter
+    (inference tensors have none) and layout."""
+    version = None if weight.is_inference() else weight._version
+    return weight.data_ptr(), version, weight.dtype, weight.device, weight.shape, weight.stride()
+
+
+def _store_weight(weight: torch.Tensor, *, input_major: bool) -> None:
+    """Store ``weight`` [out, in] input-major (``weight.t()`` contiguous) or row-major, in place of
+    its data (a parameter stays the same object, tied weights stay tied; values are unchanged)."""
+    source = weight.t() if input_major else weight
+    if source.is_contiguous():
+        return
+    # An inference tensor stays one (it has no version counter), any other never becomes one.
+    with torch.inference_mode(weight.is_inference()), torch.no_grad():
+        stored = source.clone(memory_format=torch.contiguous_format)
+    weight.data = stored.t() if input_major else stored
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias, computed by `linear` until `pack` gives it a `MatmulPlan`;
+    then CPU float32 inputs without autograd run the plan's form for their row count, from the
+    weight stored in the plan's layout. For the ``"packed"`` form it keeps a copy of the weight
+    in MKL's layout: not a parameter or buffer (``state_dict`` ignores it; ``.to()`` and the
+    like drop it), made again from the weight at the first use after the weight has changed;
+    copies of the module (``copy.deepcopy``, pickling) make their own. `unpack` drops the plan
+    and stores the weight row-major again."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.plan: MatmulPlan | None = None
+        # (weight identity, the weight packed, MKL's buffer). Holding the weight keeps its
+        # storage, so a new weight cannot reuse the address and pass for the packed one.
+        self._packed: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def packing(self) -> bool:
+        """Whether `pack` has given this layer a plan."""
+        return self.plan is not None
+
+    def check_packable(self, plan: MatmulPlan = MKL_PACKED_PLAN) -> None:
+        """Raise unless `pack` can apply ``plan`` to this weight: ValueError for a weight that is
+        not CPU float32, RuntimeError for a plan with the ``"packed"`` form without MKL."""
+        weight = self.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError(f"packing needs a CPU float32 weight, got {weight.dtype} on {weight.device}")
+        if plan.uses_mkl_packing and not mkl_packing_available():
+            raise RuntimeError("the 'packed' form needs a torch build with MKL (torch.backends.mkl.is_available())")
+
+    def pack(self, plan: MatmulPlan = MKL_PACKED_PLAN) -> None:
+        """Follow ``plan`` from now on (see `Llama.pack_weights`): the weight is stored in its
+        layout, and packed by MKL if the plan has the ``"packed"`` form."""
+        if not isinstance(plan, MatmulPlan):
+            raise ValueError(f"plan must be a MatmulPlan, got {type(plan).__name__}")
+        self.check_packable(plan)
+        self.plan = plan
+        _store_weight(self.weight, input_major=plan.input_major)
+        self._packed = None
+        if plan.uses_mkl_packing:
+            self._packed = (_weight_identity(self.weight), self.weight.detach(), mkl_pack(self.weight))
+
+    def unpack(self) -> None:
+        """Drop the plan (and any packed copy) and store the weight row-major: every input is then
+        computed by `linear`."""
+        self.plan, self._packed = None, None
+        _store_weight(self.weight, input_major=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, plan = self.weight, self.plan
+        if (plan is None or x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32
+                or x.shape[-1] != weight.shape[1]  # MKL's op does not check it: let F.linear raise
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward
+            return linear(x, weight)
+        form = plan.form(x.numel() // x.shape[-1])
+        if form == "weight_first":
+            return weight_first(x, weight)
+        if form == "linear":
+            return F.linear(x, weight)
+        if self._packed is None or self._packed[0] != _weight_identity(weight):  # new, replaced or changed
+            self.pack(plan)
+        return mkl_packed_linear(x, self._packed[2], weight)
+
+    def _apply(self, fn, recurse=True):
+        # ``.to()``, ``.cuda()``, ``.half()``...: the copy would pin the old weight; pack anew at next use.
+        self._packed = None
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        # MKL's buffer can be neither copied nor pickled (nor moved): copies pack their own.
+        return {**super().__getstate__(), "_packed": None}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self.plan is not None and self.plan.uses_mkl_packing and not mkl_packing_available():
+            self.unpack()  # unpickled where torch has no MKL
