@@ -6,8 +6,8 @@
   row duplicated to two; also what `specdec_kernels.matmul.linear` runs for 4 to 63 rows without
   a plan), ``F.linear`` from row-major weights (what that runs for 1 to 3 rows and for 64 or more:
   102 and 816 rows are the generation benchmark's batch-1 and batch-8 prompts, padded) and from
-  input-major ones (``F.linear_input_major``), and MKL's packed GEMM from weights packed once
-  (``mkl_packed``).
+  input-major ones (``F.linear_input_major``), and MKL's and oneDNN's matmuls from weights packed
+  once (``mkl_packed``, ``onednn_packed``).
 - ``test_rms_norm``: ``F.rms_norm`` (what `RMSNorm` runs in fp32; a composite of about ten ops
   on the CPU) against Hugging Face's LlamaRMSNorm ops spelled out (``pow``, ``mean``, ``add``,
   ``rsqrt``, two ``mul``), at 1 and 8 rows (decoding) and 816 (a batch-8 prefill of 102 tokens).
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from benchmarks.timing import bench
 from specdec_kernels import Llama, LlamaConfig
-from specdec_kernels.matmul import mkl_pack, mkl_packed_linear, mkl_packing_available, weight_first
+from specdec_kernels.matmul import PACKED_FORMS, weight_first
 
 pytestmark = pytest.mark.usefixtures("pinned_torch_threads")
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -54,26 +54,26 @@ def weights():
     return smollm2_weights()
 
 
-# impl is the top decorator, so it varies fastest: the four forms of one row count run one after
+# impl is the top decorator, so it varies fastest: the five forms of one row count run one after
 # another (the shared machine's load drifts over minutes).
-@pytest.mark.parametrize("impl", ["weight_first", "F.linear", "F.linear_input_major", "mkl_packed"])
+@pytest.mark.parametrize("impl", ["weight_first", "F.linear", "F.linear_input_major", "mkl_packed", "onednn_packed"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 40, 64, 102, 816])
 def test_matmuls(benchmark, weights, impl, rows):
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     # Same product, summed in another order (entries are sums of 576 unit-variance terms, ~24).
     torch.testing.assert_close(weight_first(inputs[576], weights[0]), F.linear(inputs[576], weights[0]),
                                rtol=1e-5, atol=1e-4)
-    if impl == "mkl_packed":  # the packed GEMM itself at every row count (`Linear` uses it from 2 rows)
-        if not mkl_packing_available():
-            pytest.skip("this torch build has no MKL")
-        # Packed here, under the benchmark's thread count (MKL packs for it), as `Linear.pack` does.
-        packed = [mkl_pack(w) for w in weights]
-        torch.testing.assert_close(mkl_packed_linear(inputs[576], packed[0], weights[0]),
-                                   F.linear(inputs[576], weights[0]), rtol=1e-5, atol=1e-4)
+    if impl in PACKED_FORMS:  # packed here, under the benchmark's thread count, as `Linear.pack` does
+        form = PACKED_FORMS[impl]
+        if not form.available():
+            pytest.skip(f"this torch build has no {impl}")
+        packed = [form.pack(w) for w in weights]
+        torch.testing.assert_close(form.run(inputs[576], packed[0], weights[0]), F.linear(inputs[576], weights[0]),
+                                   rtol=1e-5, atol=1e-4)
 
         def one_pass():
             for w, p in zip(weights, packed, strict=True):
-                mkl_packed_linear(inputs[w.shape[1]], p, w)
+                form.run(inputs[w.shape[1]], p, w)
     else:
         matmul = weight_first if impl == "weight_first" else F.linear
         if impl == "F.linear_input_major":

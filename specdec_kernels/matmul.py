@@ -1,24 +1,31 @@
 """The built-in model's CPU matmuls: ``x @ weight.T`` in the form this machine runs fastest.
 
-Three forms compute the same product for ``x`` [..., in] and ``weight`` [out, in]:
+Four forms compute the same product for ``x`` [..., in] and ``weight`` [out, in]:
 
 - ``"linear"``: ``F.linear(x, weight)``;
 - ``"weight_first"``: ``(weight @ x^T)^T`` with ``x`` made contiguous (one row is duplicated to
   two: MKL then runs its GEMM instead of its matrix-vector kernel); the result is a transposed
   view, which the element-wise ops that follow read in place;
-- ``"packed"``: MKL's packed GEMM from a copy of the weight packed once (x86 builds of torch).
+- ``"mkl_packed"``: MKL's packed GEMM from a copy of the weight packed once (x86 builds);
+- ``"onednn_packed"``: oneDNN's matmul from a copy of the weight in its blocked layout, made once
+  (the ops torch's compiler uses for frozen CPU linears; builds with oneDNN);
 
 and the weight itself may be stored row-major (``[out, in]`` contiguous, as loaded) or
 input-major (``weight.t()`` contiguous). Which is fastest depends on the row count and on the
-machine. On this project's 2-core VMs, over every matmul weight of SmolLM2-135M, 2 threads:
+machine. On this project's 2-core VMs, over every matmul weight of SmolLM2-135M, 2 threads
+(`benchmarks/test_bench_model.py::test_matmuls`):
 
-- an Intel Xeon (earlier sessions, `benchmarks/CPU_HISTORY.md`): the packed GEMM 1.1-1.6 x
-  faster than the best unpacked form from 4 to 102 rows and as fast at 2-3; one row fastest
-  from an input-major weight (27.7 / 28.1 ms against 33.5 / 31.8 ms for ``F.linear``);
-- an AMD EPYC (2026-11-25): ``weight_first`` from row-major weights 1.8-3.8 x faster than the
-  packed GEMM from 2 to 8 rows (17.5 against 55 ms at 2, 39 against 71 ms at 8), 1.2-1.3 x at
-  16-64, and 23.9 ms at one row against 31.4 ms for the input-major ``F.linear``; but 80 ms at
-  2 rows when ``x^T`` was handed to MKL contiguous rather than as ``x``'s transposed view.
+- an Intel Xeon (earlier sessions, `benchmarks/CPU_HISTORY.md`; oneDNN not timed): MKL's packed
+  GEMM 1.1-1.6 x faster than the best unpacked form from 4 to 102 rows and as fast at 2-3; one
+  row fastest from an input-major weight (27.7 / 28.1 ms against 33.5 / 31.8 ms for
+  ``F.linear``);
+- an AMD EPYC (2026-11-25): ``weight_first`` from row-major weights fastest at 1 and 2 rows
+  (21.7 and 20.7 ms; 31.4 ms for the input-major ``F.linear`` at one row, 55 ms for MKL's packed
+  GEMM at two), oneDNN's from 4 to 102 rows (21.0, 23.5, 30.8, 59.8, 88.7 and 133 ms at 4, 8,
+  16, 40, 64 and 102 rows against 25.6, 41.8, 55.5, 95.9, 122 and 208 ms for ``weight_first``,
+  and 65-218 ms for MKL's packed GEMM); at 256 rows ``weight_first`` (412 against 514 ms); and
+  ``weight_first`` ran 80 ms at 2 rows when ``x^T`` was handed to MKL contiguous rather than as
+  ``x``'s transposed view.
 
 So `measure_matmul_plan` times the forms on the model's own weights and returns a `MatmulPlan`
 (a weight layout, and a form per row count); `Linear` follows it once `Llama.pack_weights`
@@ -37,8 +44,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._backend import is_int
-
-FORMS = ("linear", "weight_first", "packed")
 
 
 def weight_first(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -65,15 +70,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight_first(x, weight)
 
 
-# MKL chooses the GEMM kernels of a packed weight from the row count given when packing. Packed
-# for 64 rows, SmolLM2-135M's weights ran 1.1-1.6 x faster than with the best unpacked form from
-# 4 to 102 rows and 5% slower at 816 on an Intel Xeon (benchmarks/test_bench_model.py::test_matmuls,
-# two runs), as fast at 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up.
+# MKL and oneDNN choose the kernels of a packed weight from the row count given when packing.
+# Packed for 64 rows, SmolLM2-135M's weights ran 1.1-1.6 x faster under MKL than with the best
+# unpacked form from 4 to 102 rows and 5% slower at 816 on an Intel Xeon (two runs), as fast at
+# 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up. oneDNN's packed for
+# 8 and for 64 rows ran within 4% of each other from 1 to 102 rows on an AMD EPYC (for 1 row,
+# 1.1-1.5 x slower from 2 rows up).
 _PACK_ROWS = 64
 
 
 def mkl_packing_available() -> bool:
-    """Whether this torch build has MKL's packed GEMM (the ``"packed"`` form): x86 CPU builds do."""
+    """Whether this torch build has MKL's packed GEMM (the ``"mkl_packed"`` form): x86 builds do."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
@@ -90,6 +97,38 @@ def mkl_packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tenso
     # unpacked matmul. MKL's buffer records its own layout and serves any row count (the hint
     # only picks the kernels); the tests compare it with F.linear at 4 to 130 rows.
     return torch.ops.mkl._mkl_linear(x, packed, weight, None, x.numel() // x.shape[-1])
+
+
+def onednn_packing_available() -> bool:
+    """Whether this torch build has oneDNN's packed matmul (the ``"onednn_packed"`` form)."""
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise"))
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a CPU float32 ``weight`` [out, in] (an opaque tensor that can be
+    neither copied nor pickled)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
+
+
+def onednn_packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` from ``packed = onednn_pack(weight)``, for CPU float32 ``x`` [..., in]
+    (any strides); ``weight`` is not read."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@dataclass(frozen=True)
+class _PackedForm:
+    available: Callable[[], bool]
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, packed, weight)
+
+
+#: The forms that run from a packed copy of the weight, by name.
+PACKED_FORMS = {"mkl_packed": _PackedForm(mkl_packing_available, mkl_pack, mkl_packed_linear),
+                "onednn_packed": _PackedForm(onednn_packing_available, onednn_pack, onednn_packed_linear)}
+FORMS = ("linear", "weight_first", *PACKED_FORMS)
 
 
 @dataclass(frozen=True)
@@ -128,8 +167,9 @@ class MatmulPlan:
         return chosen
 
     @property
-    def uses_mkl_packing(self) -> bool:
-        return any(form == "packed" for _, form in self.forms)
+    def packed_forms(self) -> tuple[str, ...]:
+        """The forms of `PACKED_FORMS` this plan runs (each keeps a packed copy of the weights)."""
+        return tuple(dict.fromkeys(form for _, form in self.forms if form in PACKED_FORMS))
 
     def describe(self) -> str:
         """One line, e.g. ``"row-major weights; 1 row: weight_first, 65+ rows: linear"``."""
@@ -143,13 +183,11 @@ class MatmulPlan:
 
 #: MKL's packed GEMM from 2 rows on, one row by ``F.linear`` from an input-major weight: what the
 #: Intel Xeon measurements favoured (see the module docstring).
-MKL_PACKED_PLAN = MatmulPlan(input_major=True, forms=((1, "linear"), (2, "packed")))
+MKL_PACKED_PLAN = MatmulPlan(input_major=True, forms=((1, "linear"), (2, "mkl_packed")))
 
-# Row counts `measure_matmul_plan` times (decoding batches, verification widths); above the last,
-# "linear" runs (prefills: the forms measured within 0.8-1.2 x of each other at 102 and 816 rows
-# on both machines).
-MEASURED_ROWS = (1, 2, 4, 8, 16, 64)
-
+# Row counts `measure_matmul_plan` times (decoding batches, verification widths); more rows (prefills)
+# run the form of the last. Timing 128 rows too would take about 1.2 s more on SmolLM2-135M.
+MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 #: What `measure_matmul_plan` times: (layout, form) pairs, the layout True for input-major
 #: weights, False for row-major, None for the packed copies (they read neither).
@@ -171,7 +209,7 @@ def measure_matmul_plan(weights: Sequence[torch.Tensor], *, row_counts: Sequence
     (`choose_matmul_plan`).
 
     Each candidate, ``"linear"`` and ``"weight_first"`` from row-major weights, ``"linear"``
-    from input-major ones, and ``"packed"`` (where torch has MKL), runs one pass over all of
+    from input-major ones, and the packed forms this torch build has, runs one pass over all of
     ``weights`` at each of ``row_counts`` rows, ``repeats`` times (the fastest counts), after
     one untimed pass each at one row.
 
@@ -205,10 +243,11 @@ def measure_matmul_plan(weights: Sequence[torch.Tensor], *, row_counts: Sequence
             (False, "weight_first"): lambda xs: [weight_first(xs[w.shape[1]], w) for w in rows_first],
             (True, "linear"): lambda xs: [F.linear(xs[w.shape[1]], w) for w in inputs_first],
         }
-        if mkl_packing_available():
-            packed = [mkl_pack(w) for w in rows_first]
-            candidates[(None, "packed")] = lambda xs: [mkl_packed_linear(xs[w.shape[1]], p, w)
-                                                       for w, p in zip(rows_first, packed, strict=True)]
+        for name, packed_form in PACKED_FORMS.items():
+            if packed_form.available():
+                copies = [packed_form.pack(w) for w in rows_first]
+                candidates[(None, name)] = lambda xs, run=packed_form.run, copies=copies: [
+                    run(xs[w.shape[1]], p, w) for w, p in zip(rows_first, copies, strict=True)]
         gen = torch.Generator().manual_seed(0)
         one_row = {w.shape[1]: torch.randn(1, w.shape[1], generator=gen) for w in weights}
         for run in candidates.values():  # first calls: allocations, MKL's own setup
@@ -228,7 +267,7 @@ def choose_matmul_plan(seconds: Mapping[int, Mapping[Candidate, float]]) -> Matm
     The layout is the one whose best candidate is closest to the best of all across the row
     counts (geometric mean of the ratios; row-major on a tie); each row count then takes its
     fastest form in that layout (the packed copies belong to both); rows above the last count
-    run ``"linear"``.
+    run the last count's form.
     """
     def in_layout(times: Mapping[Candidate, float], input_major: bool) -> dict[str, float]:
         return {form: t for (layout, form), t in times.items() if layout in (input_major, None)}
@@ -244,8 +283,6 @@ def choose_matmul_plan(seconds: Mapping[int, Mapping[Candidate, float]]) -> Matm
         form = min(times, key=times.get)
         if not forms or forms[-1][1] != form:
             forms.append((rows, form))
-    if forms[-1][1] != "linear":
-        forms.append((max(seconds) + 1, "linear"))
     return MatmulPlan(input_major=input_major, forms=tuple(forms))
 
 
@@ -283,18 +320,18 @@ def _store_weight(weight: torch.Tensor, *, input_major: bool) -> None:
 class Linear(nn.Linear):
     """``nn.Linear`` without bias, computed by `linear` until `pack` gives it a `MatmulPlan`;
     then CPU float32 inputs without autograd run the plan's form for their row count, from the
-    weight stored in the plan's layout. For the ``"packed"`` form it keeps a copy of the weight
-    in MKL's layout: not a parameter or buffer (``state_dict`` ignores it; ``.to()`` and the
-    like drop it), made again from the weight at the first use after the weight has changed;
-    copies of the module (``copy.deepcopy``, pickling) make their own. `unpack` drops the plan
-    and stores the weight row-major again."""
+    weight stored in the plan's layout. For each packed form of the plan it keeps a copy of the
+    weight in that library's layout: not a parameter or buffer (``state_dict`` ignores it;
+    ``.to()`` and the like drop it), made again from the weight at the first use after the
+    weight has changed; copies of the module (``copy.deepcopy``, pickling) make their own.
+    `unpack` drops the plan and stores the weight row-major again."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.plan: MatmulPlan | None = None
-        # (weight identity, the weight packed, MKL's buffer). Holding the weight keeps its
-        # storage, so a new weight cannot reuse the address and pass for the packed one.
-        self._packed: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        # form -> (weight identity, the weight packed, the packed copy). Holding the weight keeps
+        # its storage, so a new weight cannot reuse the address and pass for the packed one.
+        self._packed: dict[str, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def packing(self) -> bool:
@@ -303,29 +340,29 @@ class Linear(nn.Linear):
 
     def check_packable(self, plan: MatmulPlan = MKL_PACKED_PLAN) -> None:
         """Raise unless `pack` can apply ``plan`` to this weight: ValueError for a weight that is
-        not CPU float32, RuntimeError for a plan with the ``"packed"`` form without MKL."""
+        not CPU float32, RuntimeError for a packed form this torch build lacks."""
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError(f"packing needs a CPU float32 weight, got {weight.dtype} on {weight.device}")
-        if plan.uses_mkl_packing and not mkl_packing_available():
-            raise RuntimeError("the 'packed' form needs a torch build with MKL (torch.backends.mkl.is_available())")
+        for form in plan.packed_forms:
+            if not PACKED_FORMS[form].available():
+                raise RuntimeError(f"the {form!r} form is not available in this torch build")
 
     def pack(self, plan: MatmulPlan = MKL_PACKED_PLAN) -> None:
         """Follow ``plan`` from now on (see `Llama.pack_weights`): the weight is stored in its
-        layout, and packed by MKL if the plan has the ``"packed"`` form."""
+        layout, and copied into the layout of each packed form the plan runs."""
         if not isinstance(plan, MatmulPlan):
             raise ValueError(f"plan must be a MatmulPlan, got {type(plan).__name__}")
         self.check_packable(plan)
         self.plan = plan
         _store_weight(self.weight, input_major=plan.input_major)
-        self._packed = None
-        if plan.uses_mkl_packing:
-            self._packed = (_weight_identity(self.weight), self.weight.detach(), mkl_pack(self.weight))
+        identity, weight = _weight_identity(self.weight), self.weight.detach()
+        self._packed = {form: (identity, weight, PACKED_FORMS[form].pack(weight)) for form in plan.packed_forms}
 
     def unpack(self) -> None:
         """Drop the plan (and any packed copy) and store the weight row-major: every input is then
         computed by `linear`."""
-        self.plan, self._packed = None, None
+        self.plan, self._packed = None, {}
         _store_weight(self.weight, input_major=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -339,20 +376,22 @@ class Linear(nn.Linear):
             return weight_first(x, weight)
         if form == "linear":
             return F.linear(x, weight)
-        if self._packed is None or self._packed[0] != _weight_identity(weight):  # new, replaced or changed
+        packed = self._packed.get(form)
+        if packed is None or packed[0] != _weight_identity(weight):  # new, replaced or changed
             self.pack(plan)
-        return mkl_packed_linear(x, self._packed[2], weight)
+            packed = self._packed[form]
+        return PACKED_FORMS[form].run(x, packed[2], weight)
 
     def _apply(self, fn, recurse=True):
-        # ``.to()``, ``.cuda()``, ``.half()``...: the copy would pin the old weight; pack anew at next use.
-        self._packed = None
+        # ``.to()``, ``.cuda()``, ``.half()``...: the copies would pin the old weight; pack anew at next use.
+        self._packed = {}
         return super()._apply(fn, recurse)
 
     def __getstate__(self) -> dict:
-        # MKL's buffer can be neither copied nor pickled (nor moved): copies pack their own.
-        return {**super().__getstate__(), "_packed": None}
+        # Packed copies can be neither copied nor pickled (nor moved): copies pack their own.
+        return {**super().__getstate__(), "_packed": {}}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        if self.plan is not None and self.plan.uses_mkl_packing and not mkl_packing_available():
-            self.unpack()  # unpickled where torch has no MKL
+        if self.plan is not None and not all(PACKED_FORMS[f].available() for f in self.plan.packed_forms):
+            self.unpack()  # unpickled where torch lacks a packed form of the plan

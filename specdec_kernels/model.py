@@ -360,16 +360,16 @@ class Llama(nn.Module):
         """Prepare every matmul (projections and LM head) for CPU float32 inference in the form
         this machine runs fastest; ``enable=False`` undoes it. Returns the model.
 
-        Without ``plan``, `measured_matmul_plan` times each form (``F.linear``, ``weight @ x^T``
-        and MKL's packed GEMM) and weight layout (row-major, input-major) on the first
-        layers' weights and the LM head, at 1 to 64 rows (about 3 s for SmolLM2-135M on a
-        2-core VM, once per process), and picks a layout and a form per row count: what won
+        Without ``plan``, `measured_matmul_plan` times each form (``F.linear``, ``weight @ x^T``,
+        MKL's packed GEMM and oneDNN's) and weight layout (row-major, input-major) on the first
+        layers' weights and the LM head, at 1 to 64 rows (3.4 s for SmolLM2-135M on a 2-core AMD
+        EPYC VM, once per process), and picks a layout and a form per row count: what won
         differs between machines (`specdec_kernels.matmul`). ``plan=`` applies a given
         `MatmulPlan` instead (``MKL_PACKED_PLAN``, for one). Every `Linear` then stores its
         weight in the plan's layout, in place (the parameters keep their shapes, values and
-        ties; ``pack_weights(False)`` stores them row-major again), and, if the plan uses MKL's
-        packed GEMM, a packed copy of it, which adds about one more copy of those weights to the
-        resident memory (MKL reserves more address space than it touches); weights that shared
+        ties; ``pack_weights(False)`` stores them row-major again), and, for each packed form
+        the plan runs, a packed copy of it, which adds about one more copy of those weights to
+        the resident memory (MKL reserves more address space than it touches); weights that shared
         storage with another model (a `from_pretrained` of a loaded module) no longer do, which
         adds another copy of those. MKL packs for the current number of torch threads (for its
         speed; results do not depend on it): call this method again after changing it.

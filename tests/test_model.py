@@ -13,6 +13,7 @@ from specdec_kernels.matmul import (
     linear,
     measure_matmul_plan,
     mkl_packing_available,
+    onednn_packing_available,
     weight_first,
 )
 from specdec_kernels.model import Llama, LlamaConfig, RMSNorm
@@ -297,6 +298,7 @@ def test_linear_and_weight_first_match_f_linear_at_every_row_count(rows):
 
 
 needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
+needs_onednn = pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
 
 
 def mkl_linear_calls(fn) -> int:
@@ -329,6 +331,25 @@ def test_packed_linear_matches_f_linear_at_every_row_count(rows, features):
     assert out.shape == (rows, 1, n_out)
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)  # the row-major weight
     strided = torch.randn(rows, 2 * n_in, generator=gen)[:, ::2]  # not contiguous
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("input_major", [False, True], ids=["row-major", "input-major"])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 8, 40, 65, 130])
+def test_onednn_packed_linear_matches_f_linear_at_every_row_count(rows, input_major):
+    gen = torch.Generator().manual_seed(rows)
+    layer = Linear(97, 33).requires_grad_(False)
+    layer.weight.copy_(torch.randn(33, 97, generator=gen))
+    weight = layer.weight.detach().clone()
+    layer.pack(MatmulPlan(input_major=input_major, forms=((1, "onednn_packed"),)))
+    x = torch.randn(rows, 1, 97, generator=gen)
+    with torch.profiler.profile() as prof:
+        out = layer(x)
+    assert {e.key: e.count for e in prof.key_averages()}.get("mkldnn::_linear_pointwise") == 1
+    assert out.shape == (rows, 1, 33)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(rows, 2 * 97, generator=gen)[:, ::2]  # not contiguous
     torch.testing.assert_close(layer(strided), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
 
 
@@ -410,7 +431,7 @@ def test_packed_linear_refuses_a_wrong_input_width_and_drops_its_copy_when_moved
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # as F.linear says it
         layer(torch.randn(4, 20))  # MKL's op itself would read past the input
     layer.to(torch.float64)
-    assert layer.packing and layer._packed is None  # the float32 copy is not kept alive
+    assert layer.packing and not layer._packed  # the float32 copy is not kept alive
     layer.float()
     x = torch.randn(5, 24)
     assert mkl_linear_calls(lambda: layer(x)) == 1  # packed anew at its first use
@@ -439,12 +460,10 @@ def test_copies_of_a_packed_model_pack_their_own_weights():
 def test_a_packed_model_unpickled_without_mkl_runs_unpacked(monkeypatch):
     import io
 
-    import specdec_kernels.matmul
-
     buffers = [io.BytesIO(), io.BytesIO()]
     torch.save(tiny_llama().pack_weights(plan=MKL_PACKED_PLAN), buffers[0])
     torch.save(tiny_llama().pack_weights(plan=WEIGHT_FIRST_PLAN), buffers[1])
-    monkeypatch.setattr(specdec_kernels.matmul, "mkl_packing_available", lambda: False)
+    without_packed_forms(monkeypatch)
     model, other = (torch.load(io.BytesIO(b.getvalue()), weights_only=False) for b in buffers)
     assert not model.output.packing and model.output.weight.is_contiguous()  # row-major again
     assert other.output.plan == WEIGHT_FIRST_PLAN  # needs no MKL
@@ -483,22 +502,34 @@ def test_packed_weights_keep_autograd_and_other_dtypes_on_the_plain_path():
         assert mkl_linear_calls(lambda: layer(x.detach().double())) == 0
 
 
-def test_can_pack_weights_says_whether_pack_weights_would_pack(monkeypatch):
+def without_packed_forms(monkeypatch) -> None:
+    """Make this torch build look as if it had neither MKL's nor oneDNN's packed matmuls."""
+    import dataclasses
+
     from specdec_kernels import matmul
 
+    for name, form in matmul.PACKED_FORMS.items():
+        monkeypatch.setitem(matmul.PACKED_FORMS, name, dataclasses.replace(form, available=lambda: False))
+
+
+def test_can_pack_weights_says_whether_pack_weights_would_pack(monkeypatch):
     model = tiny_llama()
     assert model.can_pack_weights()
     model.output.to(torch.float16)  # one weight that cannot be prepared
     assert not model.can_pack_weights()
-    monkeypatch.setattr(matmul, "mkl_packing_available", lambda: False)
-    assert tiny_llama().can_pack_weights()  # a measured plan then leaves MKL's packed GEMM out
-    with pytest.raises(RuntimeError, match="'packed' form needs a torch build with MKL"):
+    without_packed_forms(monkeypatch)
+    assert tiny_llama().can_pack_weights()  # a measured plan then leaves the packed forms out
+    with pytest.raises(RuntimeError, match="the 'mkl_packed' form is not available in this torch build"):
         tiny_llama().pack_weights(plan=MKL_PACKED_PLAN)
-    assert not matmul.measure_matmul_plan([torch.randn(8, 4)], row_counts=(1, 2), repeats=1).uses_mkl_packing
+    assert not measure_matmul_plan([torch.randn(8, 4)], row_counts=(1, 2), repeats=1).packed_forms
 
 
 WEIGHT_FIRST_PLAN = MatmulPlan(input_major=False, forms=((1, "weight_first"), (65, "linear")))
+ONEDNN_PLAN = MatmulPlan(input_major=False, forms=((1, "weight_first"), (4, "onednn_packed")))
 PLANS = [pytest.param(MKL_PACKED_PLAN, id="mkl-packed", marks=needs_mkl),
+         pytest.param(ONEDNN_PLAN, id="onednn-packed", marks=needs_onednn),
+         pytest.param(MatmulPlan(input_major=True, forms=((1, "mkl_packed"), (3, "onednn_packed"))),
+                      id="both-packed-input-major", marks=[needs_mkl, needs_onednn]),
          pytest.param(WEIGHT_FIRST_PLAN, id="weight-first"),
          pytest.param(MatmulPlan(input_major=True, forms=((1, "linear"), (3, "weight_first"))), id="input-major-mixed"),
          pytest.param(None, id="measured")]
@@ -522,14 +553,17 @@ def test_every_plan_gives_the_unprepared_logits(plan):
 
 
 def test_matmul_plan_forms_and_validation():
-    plan = MatmulPlan(input_major=False, forms=((1, "weight_first"), (4, "packed"), (65, "linear")))
-    assert [plan.form(rows) for rows in (0, 1, 3, 4, 64, 65, 1000)] == [
-        "weight_first", "weight_first", "weight_first", "packed", "packed", "linear", "linear"]
-    assert plan.uses_mkl_packing and not WEIGHT_FIRST_PLAN.uses_mkl_packing
-    assert plan.describe() == "row-major weights; 1-3 rows: weight_first, 4-64 rows: packed, 65+ rows: linear"
-    assert MKL_PACKED_PLAN.describe() == "input-major weights; 1 row: linear, 2+ rows: packed"
-    for forms in ((), ((2, "linear"),), ((1, "linear"), (1, "packed")), ((1, "linear"), (3, "gemv")),
-                  ((1, "linear"), (5, "packed"), (3, "linear"))):
+    plan = MatmulPlan(input_major=False, forms=((1, "weight_first"), (4, "onednn_packed"), (65, "linear"),
+                                                (100, "mkl_packed"), (200, "onednn_packed")))
+    assert [plan.form(rows) for rows in (0, 1, 3, 4, 64, 65, 99, 100, 1000)] == [
+        "weight_first", "weight_first", "weight_first", "onednn_packed", "onednn_packed", "linear", "linear",
+        "mkl_packed", "onednn_packed"]
+    assert plan.packed_forms == ("onednn_packed", "mkl_packed") and not WEIGHT_FIRST_PLAN.packed_forms
+    assert plan.describe() == ("row-major weights; 1-3 rows: weight_first, 4-64 rows: onednn_packed, 65-99 rows: "
+                               "linear, 100-199 rows: mkl_packed, 200+ rows: onednn_packed")
+    assert MKL_PACKED_PLAN.describe() == "input-major weights; 1 row: linear, 2+ rows: mkl_packed"
+    for forms in ((), ((2, "linear"),), ((1, "linear"), (1, "mkl_packed")), ((1, "linear"), (3, "gemv")),
+                  ((1, "linear"), (5, "mkl_packed"), (3, "linear"))):
         with pytest.raises(ValueError, match="forms|form must be one of"):
             MatmulPlan(input_major=False, forms=forms)
     with pytest.raises(ValueError, match="input_major must be a bool"):
@@ -542,20 +576,19 @@ def test_choose_matmul_plan_follows_the_measured_times():
     """The measurements of two machines (ms, SmolLM2's weights): one where MKL's packed GEMM wins
     from 2 rows and one row is fastest from input-major weights, one where ``weight @ x^T`` from
     row-major weights wins everywhere."""
-    def times(rows_linear, rows_weight_first, inputs_linear, packed):
+    def times(rows_linear, rows_weight_first, inputs_linear, mkl, onednn):
         return {(False, "linear"): rows_linear, (False, "weight_first"): rows_weight_first,
-                (True, "linear"): inputs_linear, (None, "packed"): packed}
+                (True, "linear"): inputs_linear, (None, "mkl_packed"): mkl, (None, "onednn_packed"): onednn}
 
-    packed_machine = {1: times(33.5, 45.0, 27.7, 33.0), 2: times(34.0, 50.0, 60.0, 33.0),
-                      8: times(60.0, 52.0, 70.0, 40.0), 64: times(150.0, 140.0, 160.0, 100.0)}
-    assert choose_matmul_plan(packed_machine) == MatmulPlan(
-        input_major=True, forms=((1, "linear"), (2, "packed"), (65, "linear")))
-    first_machine = {1: times(45.9, 23.9, 31.9, 33.2), 2: times(76.5, 17.5, 48.8, 55.0),
-                     8: times(61.1, 39.1, 67.9, 71.0), 64: times(141.9, 125.3, 151.1, 151.8)}
-    assert choose_matmul_plan(first_machine) == WEIGHT_FIRST_PLAN
-    without_mkl = {rows: {k: v for k, v in t.items() if k[0] is not None} for rows, t in packed_machine.items()}
-    assert choose_matmul_plan(without_mkl) == MatmulPlan(
-        input_major=False, forms=((1, "linear"), (8, "weight_first"), (65, "linear")))
+    mkl_machine = {1: times(33.5, 45.0, 27.7, 33.0, 40.0), 2: times(34.0, 50.0, 60.0, 33.0, 40.0),
+                   8: times(60.0, 52.0, 70.0, 40.0, 45.0), 64: times(150.0, 140.0, 160.0, 100.0, 120.0)}
+    assert choose_matmul_plan(mkl_machine) == MKL_PACKED_PLAN
+    amd_machine = {1: times(45.9, 21.7, 31.9, 33.2, 24.0), 2: times(76.5, 20.7, 48.8, 55.0, 27.4),
+                   8: times(61.1, 41.8, 67.9, 71.0, 23.5), 64: times(141.9, 122.3, 151.1, 151.8, 88.7)}
+    assert choose_matmul_plan(amd_machine) == MatmulPlan(input_major=False,
+                                                         forms=((1, "weight_first"), (8, "onednn_packed")))
+    unpacked = {rows: {k: v for k, v in t.items() if k[0] is not None} for rows, t in mkl_machine.items()}
+    assert choose_matmul_plan(unpacked) == MatmulPlan(input_major=False, forms=((1, "linear"), (8, "weight_first")))
 
 
 def test_measure_matmul_plan_checks_its_arguments():
@@ -568,7 +601,7 @@ def test_measure_matmul_plan_checks_its_arguments():
     with pytest.raises(ValueError, match="repeats must"):
         measure_matmul_plan([torch.randn(4, 4)], repeats=0)
     plan = measure_matmul_plan([torch.randn(8, 4), torch.randn(4, 8)], row_counts=(1, 3), repeats=1)
-    assert plan.forms[0][0] == 1 and plan.form(4) == "linear"
+    assert plan.forms[0][0] == 1 and plan.forms[-1][0] <= 3
 
 
 @pytest.mark.parametrize("dim", [96, 576])
