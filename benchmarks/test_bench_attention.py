@@ -55,22 +55,32 @@ def sdpa_baseline(q, k, v, mask):
                                           attn_mask=mask, enable_gqa=True).transpose(1, 2)
 
 
-# impl is the top decorator, so it varies fastest: the three runs of one group follow each other (the VM's
+# impl is the top decorator, so it varies fastest: the four runs of one group follow each other (the VM's
 # load drifts over seconds); 50 rounds each.
-@pytest.mark.parametrize("impl", ["ragged_attention", "ragged_attention_planned", "sdpa"])
+@pytest.mark.parametrize("impl", ["ragged_attention", "ragged_attention_planned", "ragged_attention_min_seqlen",
+                                  "sdpa"])
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("B,T,L", SHAPES)
 def test_cpu(benchmark, impl, B, T, L, layout):
     """``ragged_attention`` builds its plan (value checks, masks) inside the timed call;
     ``ragged_attention_planned`` reuses a prebuilt `RaggedAttentionPlan`, as the layers of one
-    forward pass do (the model builds one plan per forward and shares it by all its layers)."""
+    forward pass do (the model builds one plan per forward and shares it by all its layers);
+    ``ragged_attention_min_seqlen`` also tells that plan the shortest row's length, as the
+    decoding loops do (read in their one transfer per step), so V's positions below it are
+    multiplied in place. All three read the whole cache capacity, as SDPA does."""
     q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L, layout=layout)
     plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=k.shape[1])
-    plan.torch_masks()
+    bounded = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=k.shape[1],
+                                  min_seqlen=int(cache_seqlens.min()))
+    for p in (plan, bounded):
+        p.torch_masks()
+        p.value_keep()
     calls = {
         "ragged_attention": lambda: ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend="torch"),
         "ragged_attention_planned": lambda: ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens,
                                                              backend="torch", plan=plan),
+        "ragged_attention_min_seqlen": lambda: ragged_attention(q, k, v, bounded.cache_seqlens, bounded.q_seqlens,
+                                                                backend="torch", plan=bounded),
         "sdpa": lambda: sdpa_baseline(q, k, v, mask),
     }
     torch.testing.assert_close(calls[impl](), sdpa_baseline(q, k, v, mask), rtol=1e-4, atol=1e-4)

@@ -285,15 +285,22 @@ def _times_cache(a: torch.Tensor, cache: torch.Tensor, *, transposed: bool, alph
 _V_CHUNK_BYTES = 1 << 19
 
 
+# The positions every row holds (a plan's min_seqlen) are multiplied in place only when they hold
+# at least this many bytes of fp32 V: with fewer, the second GEMM cost more than the copy it saved
+# (SmolLM2's heads, B = 1, 576 positions, 1 thread: 1.54 and 1.71 x SDPA's time with the split
+# against 1.41 and 1.58 x without; B = 8 at 576, and B = 1 at 4160, gained 0.1-0.3 x).
+_IN_PLACE_MIN_BYTES = 1 << 20
+
+
 def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: RaggedAttentionPlan) -> torch.Tensor:
     """``probs @ V`` per KV head for ``probs`` [B, Hkv, M, Lmax] (exactly 0 on each row's keys
     beyond its length, except in padding query rows, which are zeroed afterwards) and ``v_cache``
     [B, Lmax, Hkv, D]. What lies beyond a row's length is never multiplied: a NaN there would
     survive its zero weight. The positions below the plan's ``min_seqlen`` (valid in every row)
-    are multiplied in place; from there on, V's entries beyond each length are zeroed by a
-    bitwise AND (exact for every valid value; torch.where took up to 10 x longer on CPU) into a
-    head-major scratch buffer, chunk by chunk, and multiplied by one GEMM per chunk. Returns
-    [B, Hkv, M, D] float32.
+    are multiplied in place when they are many (`_IN_PLACE_MIN_BYTES`); from there on, V's
+    entries beyond each length are zeroed by a bitwise AND (exact for every valid value;
+    torch.where took up to 10 x longer on CPU) into a head-major scratch buffer, chunk by
+    chunk, and multiplied by one GEMM per chunk. Returns [B, Hkv, M, D] float32.
 
     ``F.embedding_bag`` (weighted sums of V's rows, read in place) is not used for this: on an
     AMD EPYC with torch 2.13's MKL, every small-N GEMM that followed one of its multi-bag calls
@@ -305,16 +312,20 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: Ragged
     shared = plan.min_seqlen  # positions every row holds
     if shared == Lmax:  # no row has anything beyond its length: V is multiplied as it lies
         return _times_cache(probs, v, transposed=False)
-    out = _times_cache(probs[..., :shared], v[:, :shared], transposed=False) if shared else None
+    if B * shared * Hkv * D * 4 < _IN_PLACE_MIN_BYTES:
+        shared = 0
+    out, keep = None, plan.value_keep()                                         # [B, 1, Lmax, 1]
+    if shared:  # the shared positions in place; the tail from here on
+        out = _times_cache(probs[..., :shared], v[:, :shared], transposed=False)
+        probs, v, keep = probs[..., shared:], v[:, shared:], keep[:, :, shared:]
     tail = Lmax - shared
-    keep = plan.value_keep()[:, :, shared:]                                     # [B, 1, tail, 1]
-    v_bits = v[:, shared:].view(torch.int32).transpose(1, 2)                    # [B, Hkv, tail, D]
+    v_bits = v.view(torch.int32).transpose(1, 2)                                # [B, Hkv, tail, D]
     chunk = B
     if v_cache.device.type == "cpu":
         chunk = min(B, max(1, _V_CHUNK_BYTES * torch.get_num_threads() // (Hkv * tail * D * 4)))
     if chunk == B:  # one chunk: no slicing
         kept = torch.bitwise_and(v_bits, keep, out=v_bits.new_empty(B, Hkv, tail, D)).view(torch.float32)
-        p, kept = probs[..., shared:].reshape(B * Hkv, M, tail), kept.view(B * Hkv, tail, D)
+        p, kept = probs.reshape(B * Hkv, M, tail), kept.view(B * Hkv, tail, D)
         product = torch.bmm(p, kept) if out is None else torch.baddbmm(out.view(B * Hkv, M, D), p, kept)
         return product.view(B, Hkv, M, D)
     out = probs.new_empty(B, Hkv, M, D) if out is None else out
@@ -322,7 +333,7 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: Ragged
     for start in range(0, B, chunk):
         n = min(chunk, B - start)
         kept = torch.bitwise_and(v_bits[start:start + n], keep[start:start + n], out=scratch[:n])
-        p = probs[start:start + n, ..., shared:].reshape(n * Hkv, M, tail)
+        p = probs[start:start + n].reshape(n * Hkv, M, tail)
         rows = out[start:start + n].view(n * Hkv, M, D)
         if shared:  # added to the in-place product of the shared positions
             rows.baddbmm_(p, kept.view(torch.float32).view(n * Hkv, tail, D))

@@ -200,19 +200,24 @@ def test_torch_path_on_cache_layouts(layout, B, T, G, Hkv, D, Lmax, lengths, q_l
 def test_torch_path_multiplies_the_shared_positions_in_place(monkeypatch, layout, B, T, G, Hkv, D, Lmax, lengths,
                                                               q_lens, dtype):
     """A plan given ``min_seqlen`` (a bound below every row's length) multiplies V's positions
-    below it in place and zeroes only the rest: the same outputs as without the bound, for
-    every bound from 1 to the shortest row, in one chunk and in chunks of one row."""
+    below it in place (forced here on small caches) and zeroes only the rest: the same outputs
+    as without the bound, for every bound from 1 to the shortest row, in one chunk and in chunks
+    of one row."""
     import specdec_kernels.attention as attention
 
     q, k, v, cache_seqlens, q_seqlens = make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype)
     k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
     expected = reference_fp32(q, k, v, cache_seqlens, q_seqlens)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(attention, "_IN_PLACE_MIN_BYTES", 0)
+    in_place = count_calls(monkeypatch, attention, "_times_cache")
     for rows_per_chunk in (B, 1):
         monkeypatch.setattr(attention, "_V_CHUNK_BYTES", rows_per_chunk * Hkv * Lmax * D * 4)
         for bound in sorted({1, min(lengths) // 2 or 1, min(lengths)}):
             plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax, min_seqlen=bound)
+            in_place.clear()
             out = ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, backend="torch", plan=plan)
+            assert len(in_place) == 2  # Q K^T, and P V over the shared positions
             assert_close(out, expected, dtype, msg=f"min_seqlen={bound}, {rows_per_chunk} rows per chunk")
             assert not out.isnan().any()
             assert_padding_rows_zero(out, T, q_lens)
