@@ -34,6 +34,7 @@ def describe_environment() -> str:
 
     from specdec_kernels import __version__
     from specdec_kernels._backend import OPS, auto_backend, interpreter_enabled, triton_available
+    from specdec_kernels.matmul import PACKED_FORMS
 
     if triton_available():
         import triton
@@ -52,6 +53,8 @@ def describe_environment() -> str:
     ]
     for op in OPS:
         lines.append(f"  {op:26} " + ", ".join(f"{d} -> {auto_backend(d)}" for d in devices))
+    forms = ["linear", "weight_first"] + [name for name, form in PACKED_FORMS.items() if form.available()]
+    lines.append(f"CPU matmul forms Llama.pack_weights times: {', '.join(forms)}")
     return "\n".join(lines)
 
 
