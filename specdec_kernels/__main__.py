@@ -34,7 +34,7 @@ def describe_environment() -> str:
 
     from specdec_kernels import __version__
     from specdec_kernels._backend import OPS, auto_backend, interpreter_enabled, triton_available
-    from specdec_kernels.matmul import PACKED_FORMS
+    from specdec_kernels.matmul import FORMS, PACKED_FORMS
 
     if triton_available():
         import triton
@@ -53,7 +53,7 @@ def describe_environment() -> str:
     ]
     for op in OPS:
         lines.append(f"  {op:26} " + ", ".join(f"{d} -> {auto_backend(d)}" for d in devices))
-    forms = ["linear", "weight_first"] + [name for name, form in PACKED_FORMS.items() if form.available()]
+    forms = [name for name in FORMS if name not in PACKED_FORMS or PACKED_FORMS[name].available()]
     lines.append(f"CPU matmul forms Llama.pack_weights times: {', '.join(forms)}")
     return "\n".join(lines)
 

@@ -18,8 +18,9 @@ Backends (see `specdec_kernels._backend`):
   there would survive a zero weight): V is zeroed there bitwise in chunks of batch rows (sized
   from the shapes alone) before one GEMM per chunk. A plan given a host lower bound on the
   lengths (``min_seqlen``, as the decoding loops pass it) multiplies the positions below it in
-  place and zeroes only the rest; when the bound covers the whole cache view (one row with an
-  exact bound), nothing is copied, and with T = 1 nothing is masked. Padding rows are zeroed at
+  place (when they hold 1 MiB of V or more) and zeroes only the rest; when the bound covers the
+  whole cache view (one row with an exact bound), nothing is copied, and with T = 1 nothing is
+  masked. Padding rows are zeroed at
   the end. Half-precision inputs are computed in fp32;
 - ``"triton"``: `specdec_kernels.kernels.attention`, split-KV (flash-decoding) with a
   log-sum-exp merge; the split count is chosen per row on the device.
@@ -162,7 +163,8 @@ class RaggedAttentionPlan:
         max_len: Lmax, the cache length of the calls.
         min_seqlen: an int <= every row's ``cache_seqlens``, when the caller knows one on the host
             (checked on the device with the lengths). The CPU path multiplies V's first
-            ``min_seqlen`` positions in place and zeroes only the rest beyond each length; when it
+            ``min_seqlen`` positions in place (when they hold 1 MiB of V or more,
+            `_IN_PLACE_MIN_BYTES`) and zeroes only the rest beyond each length; when it
             equals ``max_len`` (no row has keys beyond its length: a batch of one row whose cache
             view ends at its length, as the decoding loops pass it), nothing is copied, and with
             T = 1 no mask is applied at all.
@@ -326,8 +328,10 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: Ragged
     if chunk == B:  # one chunk: no slicing
         kept = torch.bitwise_and(v_bits, keep, out=v_bits.new_empty(B, Hkv, tail, D)).view(torch.float32)
         p, kept = probs.reshape(B * Hkv, M, tail), kept.view(B * Hkv, tail, D)
-        product = torch.bmm(p, kept) if out is None else torch.baddbmm(out.view(B * Hkv, M, D), p, kept)
-        return product.view(B, Hkv, M, D)
+        if out is None:
+            return torch.bmm(p, kept).view(B, Hkv, M, D)
+        out.view(B * Hkv, M, D).baddbmm_(p, kept)  # added to the in-place product of the shared positions
+        return out
     out = probs.new_empty(B, Hkv, M, D) if out is None else out
     scratch = v_bits.new_empty(chunk, Hkv, tail, D)
     for start in range(0, B, chunk):

@@ -95,8 +95,8 @@ def mkl_packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tenso
     input width is not checked (MKL would read past ``x``)."""
     # The last argument must equal the input's row count, else torch's op falls back to an
     # unpacked matmul. MKL's buffer records its own layout and serves any row count (the hint
-    # only picks the kernels); the tests compare it with F.linear at 4 to 130 rows.
-    return torch.ops.mkl._mkl_linear(x, packed, weight, None, x.numel() // x.shape[-1])
+    # only picks the kernels); the tests compare it with F.linear at 0 to 130 rows.
+    return torch.ops.mkl._mkl_linear(x, packed, weight, None, x.numel() // max(x.shape[-1], 1))
 
 
 def onednn_packing_available() -> bool:
@@ -149,8 +149,13 @@ class MatmulPlan:
     def __post_init__(self) -> None:
         if not isinstance(self.input_major, bool):
             raise ValueError(f"input_major must be a bool, got {self.input_major!r}")
-        starts = [start for start, _ in self.forms]
-        if not starts or starts[0] != 1 or any(not is_int(s) for s in starts) or starts != sorted(set(starts)):
+        try:
+            forms = tuple((start, form) for start, form in self.forms)
+        except (TypeError, ValueError):
+            raise ValueError(f"forms must be (min_rows, form) pairs, got {self.forms!r}") from None
+        object.__setattr__(self, "forms", forms)  # a tuple, whatever sequence was given: hashable
+        starts = [start for start, _ in forms]
+        if not starts or not all(is_int(s) for s in starts) or starts[0] != 1 or starts != sorted(set(starts)):
             raise ValueError(f"forms must be (min_rows, form) pairs with strictly ascending int min_rows "
                              f"starting at 1, got {self.forms!r}")
         for _, form in self.forms:
@@ -189,6 +194,11 @@ MKL_PACKED_PLAN = MatmulPlan(input_major=True, forms=((1, "linear"), (2, "mkl_pa
 # run the form of the last. Timing 128 rows too would take about 1.2 s more on SmolLM2-135M.
 MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
+# The weights are stored input-major only when that layout's best forms are this much faster
+# (product of the ratios over the row counts): a layout change also makes a tied embedding's
+# lookups strided gathers (see `Llama.pack_weights`), and a close call is noise.
+_INPUT_MAJOR_MARGIN = 1.05
+
 #: What `measure_matmul_plan` times: (layout, form) pairs, the layout True for input-major
 #: weights, False for row-major, None for the packed copies (they read neither).
 Candidate = tuple[bool | None, str]
@@ -225,12 +235,13 @@ def measure_matmul_plan(weights: Sequence[torch.Tensor], *, row_counts: Sequence
     """
     if not weights:
         raise ValueError("weights must hold at least one weight")
-    for w in weights:
+    for i, w in enumerate(weights):
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.device.type != "cpu" or w.dtype != torch.float32:
-            raise ValueError(f"weights must be CPU float32 [out, in] tensors, got "
-                             f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+            got = (f"{w.dtype} {tuple(w.shape)} on {w.device}" if isinstance(w, torch.Tensor)
+                   else type(w).__name__)
+            raise ValueError(f"weights must be CPU float32 [out, in] tensors, got weights[{i}]: {got}")
     counts = list(row_counts)
-    if not counts or counts[0] != 1 or counts != sorted(set(counts)) or not all(is_int(r) for r in counts):
+    if not counts or not all(is_int(r) for r in counts) or counts[0] != 1 or counts != sorted(set(counts)):
         raise ValueError(f"row_counts must be strictly ascending ints starting at 1, got {row_counts!r}")
     if not is_int(repeats) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
@@ -265,18 +276,31 @@ def choose_matmul_plan(seconds: Mapping[int, Mapping[Candidate, float]]) -> Matm
     `Candidate`), for ascending row counts, the first 1.
 
     The layout is the one whose best candidate is closest to the best of all across the row
-    counts (geometric mean of the ratios; row-major on a tie); each row count then takes its
+    counts (geometric mean of the ratios); the weights leave the row-major layout they are
+    loaded in only for a clear gain (`_INPUT_MAJOR_MARGIN`). Each row count then takes its
     fastest form in that layout (the packed copies belong to both); rows above the last count
     run the last count's form.
+
+    Raises:
+        ValueError: ``seconds`` without row count 1, with a row count that is not an int, or
+            with a row count lacking a candidate of either layout or a positive time.
     """
+    counts = list(seconds)
+    if not counts or not all(is_int(r) for r in counts) or min(counts) != 1:
+        raise ValueError(f"seconds must map int row counts, 1 among them, to times, got row counts {counts!r}")
+
     def in_layout(times: Mapping[Candidate, float], input_major: bool) -> dict[str, float]:
         return {form: t for (layout, form), t in times.items() if layout in (input_major, None)}
+
+    for rows, times in seconds.items():
+        if not all(in_layout(times, layout) for layout in (False, True)) or not all(t > 0 for t in times.values()):
+            raise ValueError(f"seconds[{rows}] must time a candidate of each layout, every time > 0, got {times!r}")
 
     def layout_cost(input_major: bool) -> float:
         return sum(math.log(min(in_layout(times, input_major).values()) / min(times.values()))
                    for times in seconds.values())
 
-    input_major = layout_cost(True) < layout_cost(False)
+    input_major = layout_cost(True) < layout_cost(False) - math.log(_INPUT_MAJOR_MARGIN)
     forms: list[tuple[int, str]] = []
     for rows in sorted(seconds):
         times = in_layout(seconds[rows], input_major)
@@ -292,7 +316,8 @@ _MEASURED: dict[tuple, MatmulPlan] = {}
 def measured_matmul_plan(weights: Sequence[torch.Tensor]) -> MatmulPlan:
     """`measure_matmul_plan` once per process for weights of these shapes and this number of
     torch threads (later calls return the plan measured first)."""
-    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(), mkl_packing_available())
+    available = tuple(name for name, form in PACKED_FORMS.items() if form.available())
+    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(), available)
     if key not in _MEASURED:
         _MEASURED[key] = measure_matmul_plan(weights)
     return _MEASURED[key]
@@ -371,7 +396,7 @@ class Linear(nn.Linear):
                 or x.shape[-1] != weight.shape[1]  # MKL's op does not check it: let F.linear raise
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward
             return linear(x, weight)
-        form = plan.form(x.numel() // x.shape[-1])
+        form = plan.form(x.numel() // max(x.shape[-1], 1))
         if form == "weight_first":
             return weight_first(x, weight)
         if form == "linear":
@@ -392,6 +417,9 @@ class Linear(nn.Linear):
         return {**super().__getstate__(), "_packed": {}}
 
     def __setstate__(self, state: dict) -> None:
+        if "plan" not in state:  # pickled before plans: `packing` was a flag for MKL_PACKED_PLAN
+            state = {**state, "_packed": {}}
+            state["plan"] = MKL_PACKED_PLAN if state.pop("packing", False) else None
         super().__setstate__(state)
         if self.plan is not None and not all(PACKED_FORMS[f].available() for f in self.plan.packed_forms):
             self.unpack()  # unpickled where torch lacks a packed form of the plan

@@ -263,9 +263,9 @@ class Llama(nn.Module):
                 capacity means the capacity. A row longer than the bound is an error (checked
                 on the device: a ValueError on CPU, a device assert on CUDA).
             min_seqlen: an int <= every row's cache length after this pass, when the caller
-                knows one on the host (checked on the device likewise). It changes nothing
-                unless it equals the positions read (one row, ``max_seqlen`` exact): the CPU
-                attention path then multiplies V in place (see `RaggedAttentionPlan`).
+                knows one on the host (checked on the device likewise). The CPU attention path
+                then multiplies V's positions below it in place (see `RaggedAttentionPlan`);
+                when it equals the positions read (one row, ``max_seqlen`` exact), all of them.
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
@@ -364,8 +364,11 @@ class Llama(nn.Module):
         MKL's packed GEMM and oneDNN's) and weight layout (row-major, input-major) on the first
         layers' weights and the LM head, at 1 to 64 rows (3.4 s for SmolLM2-135M on a 2-core AMD
         EPYC VM, once per process), and picks a layout and a form per row count: what won
-        differs between machines (`specdec_kernels.matmul`). ``plan=`` applies a given
-        `MatmulPlan` instead (``MKL_PACKED_PLAN``, for one). Every `Linear` then stores its
+        differs between machines (`specdec_kernels.matmul`), and close calls may go either way
+        between processes, which changes the last bits of the logits. ``plan=`` applies a given
+        `MatmulPlan` instead (`specdec_kernels.matmul.MKL_PACKED_PLAN`, for one), the same in
+        every process. Measuring holds up to three more copies of the timed weights (256 MiB)
+        for a few seconds. Every `Linear` then stores its
         weight in the plan's layout, in place (the parameters keep their shapes, values and
         ties; ``pack_weights(False)`` stores them row-major again), and, for each packed form
         the plan runs, a packed copy of it, which adds about one more copy of those weights to
@@ -391,17 +394,20 @@ class Llama(nn.Module):
         any weight cannot follow the plan.
 
         Raises:
-            ValueError: a weight is not a CPU float32 tensor, or ``plan`` is not a `MatmulPlan`.
-            RuntimeError: ``plan`` has MKL's packed GEMM and this torch build has no MKL
-                (`specdec_kernels.matmul.mkl_packing_available`).
+            ValueError: a weight is not a CPU float32 tensor, ``plan`` is not a `MatmulPlan`, or a
+                plan is given with ``enable=False``.
+            RuntimeError: ``plan`` has a packed form this torch build lacks
+                (`specdec_kernels.matmul.PACKED_FORMS`).
         """
         layers = {name: module for name, module in self.named_modules() if isinstance(module, Linear)}
+        if plan is not None and not isinstance(plan, MatmulPlan):
+            raise ValueError(f"plan must be a MatmulPlan or None, got {type(plan).__name__}")
         if not enable:
+            if plan is not None:
+                raise ValueError("plan must be None with enable=False (which stores the weights as loaded)")
             for layer in layers.values():
                 layer.unpack()
             return self
-        if plan is not None and not isinstance(plan, MatmulPlan):
-            raise ValueError(f"plan must be a MatmulPlan or None, got {type(plan).__name__}")
         for name, layer in layers.items():
             try:
                 layer.check_packable(plan or _ROW_MAJOR_PLAN)
@@ -415,10 +421,13 @@ class Llama(nn.Module):
 
     def _matmul_sample(self, budget: int = 256 << 20) -> list[torch.Tensor]:
         """Weights to time the matmul forms on (`pack_weights`): the first layers' and the LM
-        head's, in forward order, about ``budget`` bytes (more than a CPU's last-level cache, so
-        that they stream from memory as in decoding), or all of them in a smaller model."""
+        head's (its first rows when it holds more than half of ``budget``), in forward order,
+        about ``budget`` bytes (more than a CPU's last-level cache, so that they stream from
+        memory as in decoding), or all of them in a smaller model."""
         head = self.output.weight
-        weights, size = [], head.numel() * head.element_size()
+        row_bytes = head.shape[1] * head.element_size()
+        head = head[: max(1, min(head.shape[0], budget // 2 // row_bytes))]
+        weights, size = [], head.shape[0] * row_bytes
         for layer in self.layers:
             layer_weights = [m.weight for m in layer.modules() if isinstance(m, Linear)]
             weights += layer_weights

@@ -209,8 +209,11 @@ def test_torch_path_multiplies_the_shared_positions_in_place(monkeypatch, layout
     k, v = _layout(k, layout, lengths), _layout(v, layout, lengths)
     expected = reference_fp32(q, k, v, cache_seqlens, q_seqlens)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(attention, "_IN_PLACE_MIN_BYTES", 0)
     in_place = count_calls(monkeypatch, attention, "_times_cache")
+    plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=Lmax, min_seqlen=min(lengths))
+    ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, backend="torch", plan=plan)
+    assert len(in_place) == 1  # Q K^T only: these few positions are under `_IN_PLACE_MIN_BYTES`
+    monkeypatch.setattr(attention, "_IN_PLACE_MIN_BYTES", 0)
     for rows_per_chunk in (B, 1):
         monkeypatch.setattr(attention, "_V_CHUNK_BYTES", rows_per_chunk * Hkv * Lmax * D * 4)
         for bound in sorted({1, min(lengths) // 2 or 1, min(lengths)}):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from specdec_kernels import KVCache
 from specdec_kernels.matmul import (
     MKL_PACKED_PLAN,
+    PACKED_FORMS,
     Linear,
     MatmulPlan,
     choose_matmul_plan,
@@ -353,7 +354,6 @@ def test_onednn_packed_linear_matches_f_linear_at_every_row_count(rows, input_ma
     torch.testing.assert_close(layer(strided), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
 
 
-@needs_mkl
 def logits_after_prefill(models, ids: torch.Tensor, prefill: int, q_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """Each model's logits for ``ids[:, prefill:]`` (ragged ``q_seqlens``) after a prefill of
     the first ``prefill`` tokens, in a cache of its own."""
@@ -366,6 +366,7 @@ def logits_after_prefill(models, ids: torch.Tensor, prefill: int, q_seqlens: tor
     return logits
 
 
+@needs_mkl
 @pytest.mark.parametrize("B, T", [(1, 1), (1, 3), (2, 2), (3, 5), (8, 1), (4, 17)])
 def test_packed_weights_give_the_unpacked_results(B, T):
     model = tiny_llama(seed=1)
@@ -535,13 +536,19 @@ PLANS = [pytest.param(MKL_PACKED_PLAN, id="mkl-packed", marks=needs_mkl),
          pytest.param(None, id="measured")]
 
 
+# The op each form runs, as torch.profiler names it.
+FORM_OPS = {"linear": "aten::linear", "weight_first": "aten::mm", "mkl_packed": "mkl::_mkl_linear",
+            "onednn_packed": "mkldnn::_linear_pointwise"}
+
+
 @pytest.mark.parametrize("plan", PLANS)
 def test_every_plan_gives_the_unprepared_logits(plan):
     """Whatever plan `pack_weights` applies (or measures), a ragged batch's logits are those of
-    the model as loaded, at one row, a few and more than 64, and the weights keep their values."""
+    the model as loaded, at one row, a few and more than 64, each matmul (2 layers x 4, and the
+    head) runs the plan's form for its row count, and the weights keep their values."""
     model, prepared = tiny_llama(seed=6), tiny_llama(seed=6).pack_weights(plan=plan)
-    assert isinstance(prepared.output.plan, MatmulPlan)
-    assert all(m.plan is prepared.output.plan for m in prepared.modules() if isinstance(m, Linear))
+    plan = prepared.output.plan
+    assert isinstance(plan, MatmulPlan) and all(m.plan is plan for m in prepared.modules() if isinstance(m, Linear))
     state = prepared.state_dict()
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
     gen = torch.Generator().manual_seed(6)
@@ -550,6 +557,12 @@ def test_every_plan_gives_the_unprepared_logits(plan):
         q_seqlens = torch.randint(1, T + 1, (B,), generator=gen)
         logits = logits_after_prefill((model, prepared), ids, 4, q_seqlens)
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+        with torch.inference_mode(), torch.profiler.profile() as prof:
+            prepared(ids[:, :T], prepared.new_cache(B, T))  # B * T rows through every matmul
+        counts = {e.key: e.count for e in prof.key_averages()}
+        form = plan.form(B * T)
+        assert counts.get(FORM_OPS[form]) == 9, (form, counts)
+        assert not any(counts.get(FORM_OPS[other]) for other in PACKED_FORMS if other != form), counts
 
 
 def test_matmul_plan_forms_and_validation():
@@ -562,14 +575,18 @@ def test_matmul_plan_forms_and_validation():
     assert plan.describe() == ("row-major weights; 1-3 rows: weight_first, 4-64 rows: onednn_packed, 65-99 rows: "
                                "linear, 100-199 rows: mkl_packed, 200+ rows: onednn_packed")
     assert MKL_PACKED_PLAN.describe() == "input-major weights; 1 row: linear, 2+ rows: mkl_packed"
+    assert MatmulPlan(input_major=False, forms=[[1, "linear"]]) == MatmulPlan(False, ((1, "linear"),))  # tuples
     for forms in ((), ((2, "linear"),), ((1, "linear"), (1, "mkl_packed")), ((1, "linear"), (3, "gemv")),
-                  ((1, "linear"), (5, "mkl_packed"), (3, "linear"))):
+                  ((1, "linear"), (5, "mkl_packed"), (3, "linear")), ((1.0, "linear"),), (("1", "linear"),),
+                  (1, 2)):
         with pytest.raises(ValueError, match="forms|form must be one of"):
             MatmulPlan(input_major=False, forms=forms)
     with pytest.raises(ValueError, match="input_major must be a bool"):
         MatmulPlan(input_major=1, forms=((1, "linear"),))
     with pytest.raises(ValueError, match="plan must be a MatmulPlan or None"):
         tiny_llama().pack_weights(plan="weight_first")
+    with pytest.raises(ValueError, match="plan must be None with enable=False"):
+        tiny_llama().pack_weights(False, plan=WEIGHT_FIRST_PLAN)
 
 
 def test_choose_matmul_plan_follows_the_measured_times():
@@ -589,6 +606,13 @@ def test_choose_matmul_plan_follows_the_measured_times():
                                                          forms=((1, "weight_first"), (8, "onednn_packed")))
     unpacked = {rows: {k: v for k, v in t.items() if k[0] is not None} for rows, t in mkl_machine.items()}
     assert choose_matmul_plan(unpacked) == MatmulPlan(input_major=False, forms=((1, "linear"), (8, "weight_first")))
+    # Input-major by less than the margin: the weights stay as loaded.
+    close = {1: times(30.0, 45.0, 29.0, 40.0, 40.0), 8: times(50.0, 52.0, 70.0, 40.0, 45.0)}
+    assert choose_matmul_plan(close) == MatmulPlan(input_major=False, forms=((1, "linear"), (8, "mkl_packed")))
+    for bad in ({}, {2: times(1, 1, 1, 1, 1)}, {1.0: times(1, 1, 1, 1, 1)}, {1: {(False, "linear"): 1.0}},
+                {1: times(0.0, 1, 1, 1, 1)}):
+        with pytest.raises(ValueError, match="seconds"):
+            choose_matmul_plan(bad)
 
 
 def test_measure_matmul_plan_checks_its_arguments():
@@ -600,8 +624,32 @@ def test_measure_matmul_plan_checks_its_arguments():
             measure_matmul_plan([torch.randn(4, 4)], row_counts=counts)
     with pytest.raises(ValueError, match="repeats must"):
         measure_matmul_plan([torch.randn(4, 4)], repeats=0)
+    with pytest.raises(ValueError, match=r"weights\[1\]: torch.float32 \(4, 4\) on meta"):
+        measure_matmul_plan([torch.randn(4, 4), torch.randn(4, 4, device="meta")])
+
+
+def test_measure_matmul_plan_times_every_candidate_at_every_row_count(monkeypatch):
+    from specdec_kernels import matmul
+
+    measured = []
+    monkeypatch.setattr(matmul, "choose_matmul_plan", lambda seconds: measured.append(seconds) or WEIGHT_FIRST_PLAN)
     plan = measure_matmul_plan([torch.randn(8, 4), torch.randn(4, 8)], row_counts=(1, 3), repeats=1)
-    assert plan.forms[0][0] == 1 and plan.forms[-1][0] <= 3
+    assert plan is WEIGHT_FIRST_PLAN
+    (seconds,) = measured
+    packed = {(None, name) for name, form in PACKED_FORMS.items() if form.available()}
+    assert list(seconds) == [1, 3]
+    for times in seconds.values():
+        assert set(times) == {(False, "linear"), (False, "weight_first"), (True, "linear")} | packed
+        assert all(t > 0 for t in times.values())
+
+
+def test_a_linear_pickled_before_plans_loads_with_the_mkl_plan():
+    layer = Linear(8, 4)
+    state = {k: v for k, v in layer.__getstate__().items() if k != "plan"}
+    for packing, plan in ((True, MKL_PACKED_PLAN), (False, None)):
+        old = Linear.__new__(Linear)
+        old.__setstate__({**state, "packing": packing, "_packed": None})
+        assert old.plan == plan and old._packed == {} and "packing" not in old.__dict__
 
 
 @pytest.mark.parametrize("dim", [96, 576])
