@@ -19,12 +19,12 @@ machine. On this project's 2-core VMs, over every matmul weight of SmolLM2-135M,
   GEMM 1.1-1.6 x faster than the best unpacked form from 4 to 102 rows and as fast at 2-3; one
   row fastest from an input-major weight (27.7 / 28.1 ms against 33.5 / 31.8 ms for
   ``F.linear``);
-- an AMD EPYC (2026-11-25): ``weight_first`` from row-major weights fastest at 1 and 2 rows
-  (21.7 and 20.7 ms; 31.4 ms for the input-major ``F.linear`` at one row, 55 ms for MKL's packed
-  GEMM at two), oneDNN's from 4 to 102 rows (21.0, 23.5, 30.8, 59.8, 88.7 and 133 ms at 4, 8,
-  16, 40, 64 and 102 rows against 25.6, 41.8, 55.5, 95.9, 122 and 208 ms for ``weight_first``,
-  and 65-218 ms for MKL's packed GEMM); at 256 rows ``weight_first`` (412 against 514 ms); and
-  ``weight_first`` ran 80 ms at 2 rows when ``x^T`` was handed to MKL contiguous rather than as
+- an AMD EPYC (2026-11-25, one run): ``weight_first`` from row-major weights fastest at 1 and 2
+  rows (18.4 and 20.5 ms; 33.8 ms for the input-major ``F.linear`` at one row, 50.1 ms for MKL's
+  packed GEMM at two), oneDNN's from 3 rows up (20.7, 25.1, 62.2, 90.9 and 137 ms at 4, 8, 40,
+  64 and 102 rows against 25.1, 40.7, 94.0, 119 and 218 ms for ``weight_first``, and 66-207 ms
+  for MKL's packed GEMM); in scratch timings, ``weight_first`` at 256 rows (412 against 514 ms),
+  and 77.6 ms instead of 16.8 at 2 rows when ``x^T`` was handed to MKL contiguous rather than as
   ``x``'s transposed view.
 
 So `measure_matmul_plan` times the forms on the model's own weights and returns a `MatmulPlan`
