@@ -20,8 +20,7 @@ Backends (see `specdec_kernels._backend`):
   lengths (``min_seqlen``, as the decoding loops pass it) multiplies the positions below it in
   place (when they hold 1 MiB of V or more) and zeroes only the rest; when the bound covers the
   whole cache view (one row with an exact bound), nothing is copied, and with T = 1 nothing is
-  masked. Padding rows are zeroed at
-  the end. Half-precision inputs are computed in fp32;
+  masked. Padding rows are zeroed at the end. Half-precision inputs are computed in fp32;
 - ``"triton"``: `specdec_kernels.kernels.attention`, split-KV (flash-decoding) with a
   log-sum-exp merge; the split count is chosen per row on the device.
 
@@ -210,9 +209,13 @@ class RaggedAttentionPlan:
         self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
         self.min_seqlen = min_seqlen or 0  # positions below it hold keys in every row
-        self.full = self.min_seqlen == max_len  # every row's keys reach the end of the cache view
         self._masks: TorchMasks | None = None
         self._value_keep: torch.Tensor | None = None
+
+    @property
+    def full(self) -> bool:
+        """Whether every row's keys reach the end of the cache view (``min_seqlen == max_len``)."""
+        return self.min_seqlen == self.max_len
 
     def check_call(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, T: int, Lmax: int) -> None:
         """Raise ValueError unless a call's lengths and shapes are the ones this plan was made for."""

@@ -363,13 +363,14 @@ class Linear(nn.Linear):
         """Whether `pack` has given this layer a plan."""
         return self.plan is not None
 
-    def check_packable(self, plan: MatmulPlan = MKL_PACKED_PLAN) -> None:
-        """Raise unless `pack` can apply ``plan`` to this weight: ValueError for a weight that is
-        not CPU float32, RuntimeError for a packed form this torch build lacks."""
+    def check_packable(self, plan: MatmulPlan | None = None) -> None:
+        """Raise unless `pack` can apply ``plan`` (None: any plan without packed forms) to this
+        weight: ValueError for a weight that is not CPU float32, RuntimeError for a packed form
+        this torch build lacks."""
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError(f"packing needs a CPU float32 weight, got {weight.dtype} on {weight.device}")
-        for form in plan.packed_forms:
+        for form in plan.packed_forms if plan is not None else ():
             if not PACKED_FORMS[form].available():
                 raise RuntimeError(f"the {form!r} form is not available in this torch build")
 

@@ -29,9 +29,6 @@ from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
 from .matmul import Linear, MatmulPlan, measured_matmul_plan
 
-# Applied only to check that weights can be prepared at all (CPU float32; no MKL needed).
-_ROW_MAJOR_PLAN = MatmulPlan(input_major=False, forms=((1, "linear"),))
-
 
 @dataclass
 class LlamaConfig:
@@ -351,7 +348,7 @@ class Llama(nn.Module):
         try:
             for module in self.modules():
                 if isinstance(module, Linear):
-                    module.check_packable(_ROW_MAJOR_PLAN)
+                    module.check_packable()
         except (ValueError, RuntimeError):
             return False
         return True
@@ -410,7 +407,7 @@ class Llama(nn.Module):
             return self
         for name, layer in layers.items():
             try:
-                layer.check_packable(plan or _ROW_MAJOR_PLAN)
+                layer.check_packable(plan)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
         if plan is None:
