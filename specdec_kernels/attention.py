@@ -247,9 +247,13 @@ class RaggedAttentionPlan:
         """[B, 1, Lmax, 1] int32: all ones (-1) on each row's valid keys, 0 beyond (the CPU path's
         mask for zeroing V by a bitwise AND), built on the first call."""
         if self._value_keep is None:
-            keys = torch.arange(self.max_len, device=self.cache_seqlens.device)
-            valid = keys < self.cache_seqlens.view(self.batch_size, 1)
-            self._value_keep = valid.to(torch.int32).neg_().view(self.batch_size, 1, self.max_len, 1)
+            B, Lmax = self.batch_size, self.max_len
+            if self._masks is not None and (self.num_queries == 1 or self.q_seqlens is None):
+                # Each row's last query sees exactly its valid keys: its score mask is this mask.
+                self._value_keep = self._masks.score_keep[:, :, -1].view(B, 1, Lmax, 1)
+            else:
+                valid = torch.arange(Lmax, device=self.cache_seqlens.device) < self.cache_seqlens.view(B, 1)
+                self._value_keep = valid.to(torch.int32).neg_().view(B, 1, Lmax, 1)
         return self._value_keep
 
 

@@ -462,6 +462,25 @@ def test_plan_shared_by_caches_of_other_layouts_and_heads():
         assert not out.isnan().any()
 
 
+@pytest.mark.parametrize("T,q_lens", [(1, [1, 1, 1]), (1, None), (4, None), (4, [4, 1, 3])],
+                         ids=["T1-q_seqlens", "T1", "T4", "T4-ragged-q"])
+@pytest.mark.parametrize("masks_first", [True, False])
+def test_plan_value_mask_equals_valid_keys(T, q_lens, masks_first):
+    """The CPU path's V mask is -1 exactly on each row's valid keys, whether it is built on its
+    own or shared with the last query's score mask (T = 1, or every row with T queries)."""
+    cache_seqlens = torch.tensor([4, 37, 9])
+    q_seqlens = None if q_lens is None else torch.tensor(q_lens)
+    plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=40)
+    if masks_first:
+        plan.torch_masks()
+    keep = plan.value_keep()
+    expected = -(torch.arange(40) < cache_seqlens[:, None]).to(torch.int32)
+    assert keep.shape == (3, 1, 40, 1) and keep.dtype == torch.int32
+    assert torch.equal(keep.reshape(3, 40), expected)
+    shared = masks_first and (T == 1 or q_lens is None)
+    assert (keep.untyped_storage().data_ptr() == plan.torch_masks().score_keep.untyped_storage().data_ptr()) == shared
+
+
 def test_plan_checks_lengths_once_and_rejects_another_call():
     q, k, v, cache_seqlens, q_seqlens = make_inputs(3, 5, 3, 3, 64, 257, [5, 257, 100], [5, 1, 3])
     with pytest.raises(ValueError, match="q_seqlens must lie in 1..T=4"):
