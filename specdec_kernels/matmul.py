@@ -204,24 +204,15 @@ _INPUT_MAJOR_MARGIN = 1.05
 Candidate = tuple[bool | None, str]
 
 
-def _fastest_seconds(fn: Callable[[], object], repeats: int) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure_matmul_plan(weights: Sequence[torch.Tensor], *, row_counts: Sequence[int] = MEASURED_ROWS,
-                        repeats: int = 2) -> MatmulPlan:
+                        repeats: int = 3) -> MatmulPlan:
     """Time every form and weight layout on ``weights`` and return the fastest `MatmulPlan`
     (`choose_matmul_plan`).
 
     Each candidate, ``"linear"`` and ``"weight_first"`` from row-major weights, ``"linear"``
     from input-major ones, and the packed forms this torch build has, runs one pass over all of
-    ``weights`` at each of ``row_counts`` rows, ``repeats`` times (the fastest counts), after
-    one untimed pass each at one row.
+    ``weights`` at each of ``row_counts`` rows, ``repeats`` times in turn with the others (the
+    fastest counts), after one untimed pass each at one row.
 
     Args:
         weights: CPU float32 [out, in] weights in the order a forward pass reads them. Give more
@@ -266,8 +257,12 @@ def measure_matmul_plan(weights: Sequence[torch.Tensor], *, row_counts: Sequence
         seconds: dict[int, dict[Candidate, float]] = {}
         for rows in counts:
             xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w in weights}
-            seconds[rows] = {key: _fastest_seconds(lambda run=run, xs=xs: run(xs), repeats)
-                             for key, run in candidates.items()}
+            best = seconds[rows] = dict.fromkeys(candidates, math.inf)
+            for _ in range(repeats):  # round robin, so that a slow spell of the machine hits every form
+                for key, run in candidates.items():
+                    start = time.perf_counter()
+                    run(xs)
+                    best[key] = min(best[key], time.perf_counter() - start)
     return choose_matmul_plan(seconds)
 
 
