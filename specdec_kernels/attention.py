@@ -76,9 +76,10 @@ def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         raise ValueError(f"q's heads Hq={Hq} must be a multiple of k_cache's heads Hkv={Hkv}")
     if Lmax < T:
         raise ValueError(f"k_cache must hold at least T={T} positions, got Lmax={Lmax}")
-    check_lengths_tensor("cache_seqlens", cache_seqlens, B, q.device, on=f"{q.device} like q")
+    on = f"{q.device} like q"  # formatted once: this runs on every call
+    check_lengths_tensor("cache_seqlens", cache_seqlens, B, q.device, on=on)
     if q_seqlens is not None:
-        check_lengths_tensor("q_seqlens", q_seqlens, B, q.device, on=f"{q.device} like q")
+        check_lengths_tensor("q_seqlens", q_seqlens, B, q.device, on=on)
     return B, T, Hq, D, Lmax, Hkv
 
 
@@ -330,7 +331,7 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: Ragged
     tail = Lmax - shared
     v_bits = v.view(torch.int32).transpose(1, 2)                                # [B, Hkv, tail, D]
     chunk = B
-    if v_cache.device.type == "cpu":
+    if v_cache.is_cpu:
         chunk = min(B, max(1, _V_CHUNK_BYTES * torch.get_num_threads() // (Hkv * tail * D * 4)))
     if chunk == B:  # one chunk: no slicing
         kept = torch.bitwise_and(v_bits, keep, out=v_bits.new_empty(B, Hkv, tail, D)).view(torch.float32)
@@ -375,11 +376,13 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     probs = scores.softmax(-1)
     out = _probs_times_values(probs.view(B, Hkv, T * G, Lmax), v_cache, plan)   # [B, Hkv, T * G, D]
     if T == 1:
-        return out.view(B, 1, Hq, D).to(q.dtype)
-    out = out.view(B, Hkv, T, G, D)
-    if masks.padding is not None:  # T > 1: the masks were built
-        out.masked_fill_(masks.padding, 0.0)
-    return out.transpose(1, 2).reshape(B, T, Hq, D).to(q.dtype)
+        out = out.view(B, 1, Hq, D)
+    else:
+        out = out.view(B, Hkv, T, G, D)
+        if masks.padding is not None:  # T > 1: the masks were built
+            out.masked_fill_(masks.padding, 0.0)
+        out = out.transpose(1, 2).reshape(B, T, Hq, D)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)  # a no-op .to still costs a dispatch
 
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
