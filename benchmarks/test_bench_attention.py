@@ -96,17 +96,18 @@ NUM_LAYERS = 30  # SmolLM2-135M's
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("B,T,L", SHAPES)
 def test_cpu_forward_pass(benchmark, impl, B, T, L, layout):
-    """The attention of one forward pass, as `specdec_kernels.Llama` runs it: a
-    `RaggedAttentionPlan` built inside the timed call (value checks, masks) and shared by
-    ``NUM_LAYERS`` layer calls, against as many SDPA calls sharing one prebuilt mask, which is
-    not timed. Every layer reads the same cache on both sides. Medians are per pass; divide by
-    ``NUM_LAYERS`` for a layer."""
+    """The attention of one forward pass: a `RaggedAttentionPlan` built inside the timed call
+    (value checks, masks) and shared by ``NUM_LAYERS`` layer calls, as `specdec_kernels.Llama`
+    builds one per forward pass, against as many SDPA calls sharing one prebuilt mask, which is
+    not timed. The calls are `test_cpu`'s planned ones (no ``min_seqlen``, the whole capacity
+    read, ``q_seqlens`` given); every layer reads the same cache on both sides. Medians are per
+    pass; divide by ``NUM_LAYERS`` for a layer."""
     q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L, layout=layout)
 
-    # Each layer's output is dropped before the next call, as a model consumes it. (Keeping all
-    # of them alive made glibc return our per-call V scratch to the OS and fault it back in on
-    # every call: 2.5 x our time at B1-T1-L512 on an AMD EPYC VM, where the model's own decode
-    # step showed no such effect.)
+    # Only the last layer's output is kept (each is released when the next call returns), as a
+    # model consumes each one. (Keeping all of them alive made glibc return our per-call V
+    # scratch to the OS and fault it back in on every call: 2.5 x our time at B1-T1-L512 on an
+    # AMD EPYC VM, where the model's own decode step showed no such loss.)
     def ours():
         plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=k.shape[1])
         for _ in range(NUM_LAYERS):

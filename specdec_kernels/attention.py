@@ -246,7 +246,9 @@ class RaggedAttentionPlan:
 
     def value_keep(self) -> torch.Tensor:
         """[B, 1, Lmax, 1] int32: all ones (-1) on each row's valid keys, 0 beyond (the CPU path's
-        mask for zeroing V by a bitwise AND), built on the first call."""
+        mask for zeroing V by a bitwise AND), built on the first call. When the score masks were
+        built first and T = 1 or ``q_seqlens`` is None, it is a view of their ``score_keep``
+        (not contiguous for T > 1); neither is ever written to."""
         if self._value_keep is None:
             B, Lmax = self.batch_size, self.max_len
             if self._masks is not None and (self.num_queries == 1 or self.q_seqlens is None):

@@ -359,7 +359,7 @@ class Llama(nn.Module):
 
         Without ``plan``, `measured_matmul_plan` times each form (``F.linear``, ``weight @ x^T``,
         MKL's packed GEMM and oneDNN's) and weight layout (row-major, input-major) on the first
-        layers' weights and the LM head, at 1 to 64 rows (4-5 s for SmolLM2-135M on a 2-core AMD
+        layers' weights and the LM head, at 1 to 64 rows (4.1-5.2 s for SmolLM2-135M on a 2-core AMD
         EPYC VM, once per process), and picks a layout and a form per row count: what won
         differs between machines (`specdec_kernels.matmul`), and close calls may go either way
         between processes, which changes the last bits of the logits. ``plan=`` applies a given

@@ -467,13 +467,15 @@ def test_plan_shared_by_caches_of_other_layouts_and_heads():
 @pytest.mark.parametrize("masks_first", [True, False])
 def test_plan_value_mask_equals_valid_keys(T, q_lens, masks_first):
     """The CPU path's V mask is -1 exactly on each row's valid keys, whether it is built on its
-    own or shared with the last query's score mask (T = 1, or every row with T queries)."""
+    own or shared with the last query's score mask (T = 1, or q_seqlens None); sharing leaves
+    the score mask as it was."""
     cache_seqlens = torch.tensor([4, 37, 9])
     q_seqlens = None if q_lens is None else torch.tensor(q_lens)
     plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=40)
-    if masks_first:
-        plan.torch_masks()
+    score_keep = plan.torch_masks().score_keep.clone() if masks_first else None
     keep = plan.value_keep()
+    if masks_first:
+        assert torch.equal(plan.torch_masks().score_keep, score_keep)
     expected = -(torch.arange(40) < cache_seqlens[:, None]).to(torch.int32)
     assert keep.shape == (3, 1, 40, 1) and keep.dtype == torch.int32
     assert torch.equal(keep.reshape(3, 40), expected)
