@@ -15,6 +15,7 @@ from .cache import KVCache
 from .generation import GenerationOutput, GenerationStats, PromptLookupDraft, generate, speculative_generate
 from .matmul import MatmulPlan
 from .model import Llama, LlamaConfig
+from .pretrained import load_smollm2
 from .sampling import (
     RejectionNoise,
     RejectionOutput,
@@ -45,6 +46,7 @@ __all__ = [
     "first_rejection_index",
     "generate",
     "interpreter_enabled",
+    "load_smollm2",
     "make_rejection_noise",
     "process_logits",
     "ragged_attention",

