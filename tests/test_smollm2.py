@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from specdec_kernels.pretrained import load_smollm2, smollm2_folder
+    from specdec_kernels import load_smollm2
+    from specdec_kernels.pretrained import smollm2_folder
 
     model, tokenizer = load_smollm2()
     hf = transformers.LlamaForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
@@ -25,9 +26,14 @@ def smollm2():
 
 
 def test_config_is_smollm2(smollm2):
-    c = smollm2[0].config
+    """The architecture, and the layer count the demo checks ``--draft layers:N`` against unloaded."""
+    from specdec_kernels.pretrained import SMOLLM2_NUM_LAYERS
+
+    model = smollm2[0]
+    c = model.config
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-            c.vocab_size) == (30, 576, 9, 3, 64, 49152)
+            c.vocab_size) == (SMOLLM2_NUM_LAYERS, 576, 9, 3, 64, 49152) == (30, 576, 9, 3, 64, 49152)
+    assert not model.training and {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.float32, "cpu")}
 
 
 def test_tokenizer_special_tokens_are_the_gguf_files(smollm2):
