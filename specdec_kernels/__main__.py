@@ -203,8 +203,8 @@ def _report(args: argparse.Namespace, model, tokenizer, prompts: list[str], run:
              for _, spec in run.outputs for i in range(len(spec.stats.num_generated))]
     for prompt, text in zip(prompts, texts, strict=True):
         print(f"\n>>> {prompt}\n{text.strip()}")
-    print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, top-k={args.top_k}, "
-          f"top-p={args.top_p}, batch size {args.batch_size}, device {args.device}")
+    print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, top-k={args.top_k or 'off'}, "
+          f"top-p={args.top_p or 'off'}, batch size {args.batch_size}, device {args.device}")
     if model.output.plan is not None:
         print(f"matmuls: {model.output.plan.describe()}")
     accepted = sum(int(spec.stats.num_accepted.sum()) for _, spec in run.outputs)
