@@ -269,13 +269,16 @@ def _max_splits(batch: int, programs_per_row: int, max_len: int, min_chunk: int,
 @on_input_device
 def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, scale: float, *,
-                            max_splits: int | None = None, min_chunk: int | None = None) -> torch.Tensor:
+                            max_splits: int | None = None, min_chunk: int | None = None,
+                            plan: object = None) -> torch.Tensor:
     """Launch the kernels for validated inputs (see `specdec_kernels.ragged_attention`).
 
     Args:
         q: [B, T, Hq, D]; k_cache, v_cache: [B, Lmax, Hkv, D] (same dtype; fp32, fp16 or bf16).
         cache_seqlens, q_seqlens: [B] integer (q_seqlens may be None: T per row).
         scale: softmax scale.
+        plan: the op's `RaggedAttentionPlan`, passed to every backend; unused here (the kernels
+            mask by the lengths themselves, on the device).
         max_splits: override the host-side bound on splits per row (tests force 1 or many).
         min_chunk: override the fewest keys per split (rounded up to the key block).
 

@@ -45,10 +45,11 @@ def append_config(head_dim: int) -> dict[str, int]:
 
 @on_input_device
 def append_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                  lengths: torch.Tensor, q_seqlens: torch.Tensor | None) -> None:
+                  lengths: torch.Tensor, q_seqlens: torch.Tensor | None, *, plan: object = None) -> None:
     """Scatter validated ``k_new``/``v_new`` [B, T, Hkv, D] into ``k_cache``/``v_cache``
     [B, max_len, Hkv, D] (any strides with a contiguous head dim: the cache is written in place)
-    at positions ``lengths[b] + t`` for ``t < q_seqlens[b]`` (one launch)."""
+    at positions ``lengths[b] + t`` for ``t < q_seqlens[b]`` (one launch). ``plan``: the append's
+    `AppendPlan`, passed to every backend; unused here (the kernel computes the positions)."""
     B, T, Hkv, D = k_new.shape
     if D not in HEAD_DIMS:
         raise ValueError(f"the Triton append supports head_dim in {HEAD_DIMS}, got D={D}; "

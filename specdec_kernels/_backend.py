@@ -8,17 +8,24 @@ Each public op accepts ``backend=`` with one of:
   tensors it runs under the Triton interpreter, which must be switched on with
   ``TRITON_INTERPRET=1`` before anything imports triton;
 - ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed, else ``"torch"``.
+
+An op resolves its ``backend`` argument with `resolve_backend` and runs the implementation a
+`Dispatch` table holds for it; every implementation of one op takes the same arguments.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.util
-import numbers
 import os
+from collections.abc import Callable
 
 import torch
+
+# Re-exported: model.py, generation.py and matmul.py import these checks from here.
+from ._checks import DeviceCheckError, check_lengths_tensor, device_check, is_int, is_real  # noqa: F401
 
 BACKENDS = ("reference", "torch", "triton")
 
@@ -75,52 +82,36 @@ def resolve_backend(backend: str, device: torch.device | str, head_dim: int | No
     return backend
 
 
-class DeviceCheckError(ValueError, RuntimeError):
-    """A value check made on the device (``torch._assert_async``) failed on a CPU tensor.
+class Dispatch:
+    """One op's implementation per backend, looked up with the resolved backend name.
 
-    Subclasses both ``ValueError`` (bad input) and ``RuntimeError`` (what
-    ``torch._assert_async`` raises on CPU), so callers may catch either.
+    Every implementation takes the same arguments, so an op calls ``TABLE[backend](...)`` instead of
+    branching on the backend. An entry is a function, or ``"module:function"``, imported on first use:
+    the kernels must not be imported before the first Triton call (importing ``specdec_kernels`` never
+    imports triton), and the fast paths import neither the reference that judges them nor the kernels.
+
+    Example::
+
+        RAGGED_ATTENTION = Dispatch(reference="specdec_kernels.reference.attention:ragged_attention",
+                                    torch=_ragged_attention_torch,
+                                    triton="specdec_kernels.kernels.attention:ragged_attention_triton")
+        out = RAGGED_ATTENTION[resolve_backend(backend, q.device)](q, k_cache, ...)
     """
 
+    def __init__(self, *, reference: Callable | str, torch: Callable | str, triton: Callable | str) -> None:
+        self._entries: dict[str, Callable | str] = {"reference": reference, "torch": torch, "triton": triton}
 
-def check_lengths_tensor(name: str, t: torch.Tensor, batch: int, device: torch.device, on: str) -> None:
-    """Raise ValueError naming ``name`` unless ``t`` is a [batch] integer tensor on ``device``
-    (``on`` describes that device in the message, e.g. ``"cpu like q"``)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a [B] integer tensor, got {type(t).__name__}")
-    if t.shape != (batch,):
-        raise ValueError(f"{name} must have shape [B] = [{batch}], got {list(t.shape)}")
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {on}, got {t.device}")
-
-
-def is_int(value: object) -> bool:
-    """An integer (Python or NumPy), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_real(value: object) -> bool:
-    """A real number (Python or NumPy), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    def __getitem__(self, backend: str) -> Callable:
+        entry = self._entries[backend]
+        if isinstance(entry, str):
+            module, _, name = entry.partition(":")
+            entry = self._entries[backend] = getattr(importlib.import_module(module), name)
+        return entry
 
 
 def as_float32(x: torch.Tensor) -> torch.Tensor:
     """``x.float()``, skipping the dispatch when it is already float32 (hot-loop helper)."""
     return x if x.dtype == torch.float32 else x.float()
-
-
-def device_check(condition: torch.Tensor, message: str) -> None:
-    """Assert the 0-d bool tensor ``condition`` without a host synchronization.
-
-    On CPU a false ``condition`` raises `DeviceCheckError` carrying ``message`` immediately; on
-    CUDA it is a device-side assert (the error surfaces at the next synchronization).
-    """
-    try:
-        torch._assert_async(condition, message)
-    except RuntimeError as e:
-        raise DeviceCheckError(message) from e
 
 
 def on_input_device(launcher):

@@ -39,7 +39,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._backend import DeviceCheckError, as_float32, check_lengths_tensor, device_check, is_int, resolve_backend
+from ._backend import Dispatch, as_float32, resolve_backend
+from ._checks import DeviceCheckError, check_lengths_tensor, device_check, is_int
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -47,7 +48,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None
                                    ) -> tuple[int, int, int, int, int, int]:
-    """Host-side checks of `ragged_attention`'s arguments; return ``(B, T, Hq, D, Lmax, Hkv)``."""
+    """Host-side checks of `ragged_attention`'s arguments (ValueError naming the argument, with
+    expected and actual values); return ``(B, T, Hq, D, Lmax, Hkv)``."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -107,20 +109,6 @@ def _check_ragged_attention_lengths(cache_seqlens: torch.Tensor, q_seqlens: torc
         device_check(q_ok.all(), q_message)
         device_check(cache_ok.all(), cache_message)
         raise
-
-
-def check_ragged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None
-                                  ) -> tuple[int, int, int, int, int, int]:
-    """Validate the arguments of `ragged_attention`; return ``(B, T, Hq, D, Lmax, Hkv)``.
-
-    Shapes, dtypes and devices are checked on the host (ValueError naming the argument, with
-    expected and actual values); the values of ``cache_seqlens`` and ``q_seqlens`` are checked
-    on the device with `device_check` (no host synchronization).
-    """
-    shape = _check_ragged_attention_shapes(q, k_cache, v_cache, cache_seqlens, q_seqlens)
-    _check_ragged_attention_lengths(cache_seqlens, q_seqlens, shape[1], shape[4])
-    return shape
 
 
 class TorchMasks(NamedTuple):
@@ -357,8 +345,10 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: Ragged
 
 
 def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            plan: RaggedAttentionPlan, scale: float) -> torch.Tensor:
-    """Vectorized, sync-free CPU path (works on any device). Shapes as in `ragged_attention`."""
+                            cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, *, scale: float,
+                            plan: RaggedAttentionPlan) -> torch.Tensor:
+    """Vectorized, sync-free CPU path (works on any device). Arguments as in `ragged_attention`;
+    the lengths are read through ``plan`` (made for them)."""
     B, T, Hq, D = q.shape
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -385,6 +375,13 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             out.masked_fill_(masks.padding, 0.0)
         out = out.transpose(1, 2).reshape(B, T, Hq, D)
     return out if q.dtype == torch.float32 else out.to(q.dtype)  # a no-op .to still costs a dispatch
+
+
+_RAGGED_ATTENTION = Dispatch(
+    reference="specdec_kernels.reference.attention:ragged_attention",
+    torch=_ragged_attention_torch,
+    triton="specdec_kernels.kernels.attention:ragged_attention_triton",
+)
 
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -427,15 +424,7 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if not isinstance(plan, RaggedAttentionPlan):
             raise ValueError(f"plan must be a RaggedAttentionPlan or None, got {type(plan).__name__}")
         plan.check_call(cache_seqlens, q_seqlens, T, Lmax)
-    if backend == "reference":
-        from .reference.attention import ragged_attention as reference
-
-        return reference(q, k_cache, v_cache, cache_seqlens, q_seqlens, scale=scale)
-    if plan is None:
+    if plan is None:  # checks the lengths' values, whatever the backend
         plan = RaggedAttentionPlan._for_one_call(cache_seqlens, q_seqlens, T, Lmax)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if backend == "torch":
-        return _ragged_attention_torch(q, k_cache, v_cache, plan, scale)
-    from .kernels.attention import ragged_attention_triton
-
-    return ragged_attention_triton(q, k_cache, v_cache, cache_seqlens, q_seqlens, scale)
+    return _RAGGED_ATTENTION[backend](q, k_cache, v_cache, cache_seqlens, q_seqlens, scale=scale, plan=plan)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._backend import check_lengths_tensor, device_check, is_int, resolve_backend
+from ._backend import Dispatch, resolve_backend
+from ._checks import check_lengths_tensor, device_check, is_int
 
 
 def _as_lengths(name: str, value: int | torch.Tensor, batch: int, device: torch.device, most: int) -> torch.Tensor:
@@ -53,6 +54,24 @@ class AppendPlan:
     positions: torch.Tensor       # [B, T] cache position of each entry
     gather: torch.Tensor | None   # [B, T, Hkv, D] source entry (padding repeats the last real one)
     empty: torch.Tensor | None    # [B, 1, 1, 1] bool: rows with q_seqlens = 0 (write nothing)
+
+
+def _append_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                  lengths: torch.Tensor, q_seqlens: torch.Tensor | None, *, plan: AppendPlan) -> None:
+    """`KVCache.append` on the torch backend: one ``index_put_`` per buffer at the plan's positions
+    (``lengths`` and ``q_seqlens`` are read through ``plan``, made for them)."""
+    k_src, v_src = k_new, v_new
+    if plan.gather is not None:
+        k_src, v_src = k_new.gather(1, plan.gather), v_new.gather(1, plan.gather)
+        k_src = torch.where(plan.empty, k_cache[plan.rows, plan.positions], k_src)
+        v_src = torch.where(plan.empty, v_cache[plan.rows, plan.positions], v_src)
+    k_cache.index_put_((plan.rows, plan.positions), k_src)
+    v_cache.index_put_((plan.rows, plan.positions), v_src)
+
+
+# The cache has no reference of its own: "reference" runs the torch scatter, which tests check
+# against a Python model of the cache.
+_APPEND = Dispatch(reference=_append_torch, torch=_append_torch, triton="specdec_kernels.kernels.cache:append_triton")
 
 
 class KVCache:
@@ -198,19 +217,8 @@ class KVCache:
                              "(advance, crop, select): make a new one with plan_append")
         elif plan.num_new != k_new.shape[1]:
             raise ValueError(f"plan was made for T={plan.num_new}; k_new has shape {list(k_new.shape)}")
-        backend = resolve_backend("torch" if backend == "reference" else backend, self.device, head_dim=D)
-        if backend == "triton":
-            from .kernels.cache import append_triton
-
-            append_triton(self.k[layer], self.v[layer], k_new, v_new, self.lengths, plan.q_seqlens)
-            return
-        k_src, v_src = k_new, v_new
-        if plan.gather is not None:
-            k_src, v_src = k_new.gather(1, plan.gather), v_new.gather(1, plan.gather)
-            k_src = torch.where(plan.empty, self.k[layer][plan.rows, plan.positions], k_src)
-            v_src = torch.where(plan.empty, self.v[layer][plan.rows, plan.positions], v_src)
-        self.k[layer].index_put_((plan.rows, plan.positions), k_src)
-        self.v[layer].index_put_((plan.rows, plan.positions), v_src)
+        backend = resolve_backend(backend, self.device, head_dim=D)
+        _APPEND[backend](self.k[layer], self.v[layer], k_new, v_new, self.lengths, plan.q_seqlens, plan=plan)
 
     def advance(self, q_seqlens: int | torch.Tensor) -> None:
         """``lengths += q_seqlens`` (an int or a [B] integer tensor); no data is touched.

@@ -1,4 +1,5 @@
-"""Install layout: `kernels/` ships as `specdec_kernels.kernels`, never as a top-level `kernels`."""
+"""Install layout (`kernels/` ships as `specdec_kernels.kernels`, never as a top-level `kernels`),
+the ``env`` command, and the cached conversion of the embedded model (the demo: test_demo.py)."""
 
 import subprocess
 import sys

@@ -1,10 +1,11 @@
 """Reference causal attention over a ragged KV cache: one row and one head at a time, in fp32.
 
-Same signature as `specdec_kernels.ragged_attention` (without ``backend``). It reads like the
-definition: query i of row b sits at position ``cache_seqlens[b] - q_seqlens[b] + i`` and
-attends, with an explicit boolean mask, to keys ``0 .. position`` of its own row; rows
-``i >= q_seqlens[b]`` are zero. Only the valid prefix of each cache row is ever sliced, so
-whatever lies beyond ``cache_seqlens[b]`` cannot reach the output. Speed is not a goal.
+Same signature as `specdec_kernels.ragged_attention` (without ``backend``; inputs are assumed
+checked, as the op does before it dispatches). It reads like the definition: query i of row b
+sits at position ``cache_seqlens[b] - q_seqlens[b] + i`` and attends, with an explicit boolean
+mask, to keys ``0 .. position`` of its own row; rows ``i >= q_seqlens[b]`` are zero. Only the
+valid prefix of each cache row is ever sliced, so whatever lies beyond ``cache_seqlens[b]``
+cannot reach the output. Speed is not a goal. Imports torch and einops only.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import math
 
 import torch
+from einops import einsum, rearrange
 
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, plan: object = None) -> torch.Tensor:
     """Causal (bottom-right aligned) GQA attention of T new queries per row over a ragged cache.
 
     Args:
@@ -27,26 +29,25 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             ``q_seqlens[b] .. Lmax``.
         q_seqlens: [B] integer in ``1 .. T`` (real queries per row), or None for T.
         scale: softmax scale, default ``1 / sqrt(D)``.
+        plan: the op's `RaggedAttentionPlan`; unused (the reference builds its masks row by row).
 
     Returns:
         [B, T, Hq, D] in ``q.dtype`` (computed in float32); rows ``i >= q_seqlens[b]`` are zero.
     """
-    from specdec_kernels.attention import check_ragged_attention_inputs
-
-    B, T, Hq, D, _, Hkv = check_ragged_attention_inputs(q, k_cache, v_cache, cache_seqlens, q_seqlens)
-    G = Hq // Hkv
+    B, T, Hq, D = q.shape
+    G = Hq // k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = torch.zeros(B, T, Hq, D, dtype=q.dtype, device=q.device)
     for b in range(B):
         length = int(cache_seqlens[b])
         n = T if q_seqlens is None else int(q_seqlens[b])
-        qb = q[b, :n].float()                                       # [n, Hq, D]
-        kb = k_cache[b, :length].float().repeat_interleave(G, dim=1)  # [L, Hq, D]
-        vb = v_cache[b, :length].float().repeat_interleave(G, dim=1)  # [L, Hq, D]
-        positions = length - n + torch.arange(n, device=q.device)     # [n]
+        # Query head h * G + g reads KV head h: the G query heads of a KV head form a group.
+        qb = rearrange(q[b, :n].float(), "t (h g) d -> h g t d", g=G)
+        kb, vb = k_cache[b, :length].float(), v_cache[b, :length].float()      # [L, Hkv, D]
+        positions = length - n + torch.arange(n, device=q.device)               # [n]
         mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
-        scores = torch.einsum("thd,lhd->htl", qb, kb) * scale        # [Hq, n, L]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[b, :n] = torch.einsum("htl,lhd->thd", probs, vb).to(q.dtype)
+        scores = einsum(qb, kb, "h g t d, l h d -> h g t l") * scale
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        heads = einsum(probs, vb, "h g t l, l h d -> h g t d")
+        out[b, :n] = rearrange(heads, "h g t d -> t (h g) d").to(q.dtype)
     return out
