@@ -118,7 +118,7 @@ class TorchMasks(NamedTuple):
       0 elsewhere; ANDed into the scores' bits, it turns every hidden score (NaN included: keys
       beyond a row's length may hold anything) into +0.0;
     - ``score_bias`` [B, 1, T, 1, Lmax] float32: 0 on visible keys, -inf on hidden ones, added next
-      (an AND and an add took 0.2-0.4 x a broadcast ``masked_fill_``'s time on CPU);
+      (an AND and an add are cheaper on CPU than a broadcast ``masked_fill_``);
     - ``padding`` [B, 1, T, 1, 1] bool: query rows past q_seqlens (None without q_seqlens or with
       T = 1).
     """
@@ -264,7 +264,7 @@ def _times_cache(a: torch.Tensor, cache: torch.Tensor, *, transposed: bool, alph
     if B == 1 or s_b == H * s_h:
         heads = cache.as_strided((B * H, Lmax, D), (s_h, s_l, s_d))
         a, heads = a.reshape(B * H, M, -1), heads.transpose(1, 2) if transposed else heads
-        if alpha == 1.0:  # bmm: a few microseconds less than baddbmm on small CPU products
+        if alpha == 1.0:  # bmm has less overhead than baddbmm on small CPU products
             return torch.bmm(a, heads).view(B, H, M, N)
         return torch.baddbmm(a.new_empty(()), a, heads, beta=0, alpha=alpha).view(B, H, M, N)
     out = a.new_empty(B, H, M, N)
@@ -277,18 +277,16 @@ def _times_cache(a: torch.Tensor, cache: torch.Tensor, *, transposed: bool, alph
 
 # On CPU, V is read in chunks of batch rows of about this size per torch thread, each zeroed
 # beyond its lengths into a scratch buffer and multiplied at once, so the fp32 copy is read back
-# from the core's cache rather than from memory (512 KiB: a quarter of a core's L2 on this
-# project's machines; in interleaved timings of B = 8 against 256 KiB - 2 MiB and no chunks, the
-# best or near it with 1 thread, and 1 MiB with 2 threads). fp16 / bf16 caches are first widened
-# to fp32 whole. The chunks change which rows share a bmm, so results may differ in the last
-# bits between thread counts.
+# from the core's cache rather than from memory: a fraction of a core's L2, leaving room for the
+# probabilities and the output (see docs/performance.md for the sizes compared). fp16 / bf16
+# caches are first widened to fp32 whole. The chunks change which rows share a bmm, so results
+# may differ in the last bits between thread counts.
 _V_CHUNK_BYTES = 1 << 19
 
 
 # The positions every row holds (a plan's min_seqlen) are multiplied in place only when they hold
-# at least this many bytes of fp32 V: with fewer, the second GEMM cost more than the copy it saved
-# (SmolLM2's heads, B = 1, 576 positions, 1 thread: 1.54 and 1.71 x SDPA's time with the split
-# against 1.41 and 1.58 x without; B = 8 at 576, and B = 1 at 4160, gained 0.1-0.3 x).
+# at least this many bytes of fp32 V: with fewer, the second GEMM costs more than the copy it saves
+# (measurements in docs/performance.md).
 _IN_PLACE_MIN_BYTES = 1 << 20
 
 
@@ -298,13 +296,13 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: Ragged
     [B, Lmax, Hkv, D]. What lies beyond a row's length is never multiplied: a NaN there would
     survive its zero weight. The positions below the plan's ``min_seqlen`` (valid in every row)
     are multiplied in place when they are many (`_IN_PLACE_MIN_BYTES`); from there on, V's
-    entries beyond each length are zeroed by a bitwise AND (exact for every valid value;
-    torch.where took up to 10 x longer on CPU) into a head-major scratch buffer, chunk by
-    chunk, and multiplied by one GEMM per chunk. Returns [B, Hkv, M, D] float32.
+    entries beyond each length are zeroed by a bitwise AND (exact for every valid value, and
+    much cheaper on CPU than torch.where) into a head-major scratch buffer, chunk by chunk, and
+    multiplied by one GEMM per chunk. Returns [B, Hkv, M, D] float32.
 
-    ``F.embedding_bag`` (weighted sums of V's rows, read in place) is not used for this: on an
-    AMD EPYC with torch 2.13's MKL, every small-N GEMM that followed one of its multi-bag calls
-    in the same process ran 2.4 x slower (all of a model's matmuls) until a larger GEMM ran.
+    ``F.embedding_bag`` (weighted sums of V's rows, read in place) is not used for this: with
+    MKL, it slowed down every small-N GEMM that followed it in the same process (all of a model's
+    matmuls) until a larger GEMM ran; see docs/performance.md.
     """
     B, Lmax, Hkv, D = v_cache.shape
     M = probs.shape[2]
