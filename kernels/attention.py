@@ -230,10 +230,9 @@ def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: i
     num_warps = 16 if (fp32_wide and BM >= 64) or BM >= 256 else 8
     num_stages = 1 if dtype == torch.float32 or half_wide_heads else 2
     if dtype != torch.float32 and BM <= 32:
-        # Decoding and short verification tiles stream K/V with little math per byte: 64 keys
-        # per step, 3 stages in flight and 4 warps moved 2.5-2.8 TB/s on an H100, 1.2-1.6 x
-        # faster than 32 keys, 2 stages and 8 warps on the decode and T = 5 shapes measured
-        # (`benchmarks/RESULTS.md`).
+        # Decoding and short verification tiles stream K/V with little math per byte: more keys
+        # per step and more stages in flight keep more loads outstanding, with fewer warps
+        # (the GPU measurements are in docs/performance.md).
         BN, num_warps, num_stages = 64, 4, 3
     # The Triton interpreter (3.x) computes bf16 tl.dot wrongly; there, and only there, bf16 tiles
     # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
