@@ -36,7 +36,9 @@ import triton
 import triton.language as tl
 
 from specdec_kernels._backend import on_input_device
-from specdec_kernels.sampling import RejectionNoise, RejectionOutput
+from specdec_kernels._checks import ValueChecks
+from specdec_kernels._sampling_checks import require_values_read_after
+from specdec_kernels._types import RejectionNoise, RejectionOutput
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
 
@@ -663,10 +665,13 @@ def rejection_sample_triton(
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     noise: RejectionNoise | None = None,
+    checks: ValueChecks | None = None,
 ) -> RejectionOutput:
     """Launch `_rejection_sample_kernel` (one launch, grid ``(B,)``; one more small launch when
-    seeds are drawn from a generator). Inputs already validated: target ``[B, K+1, V]``, draft
-    ``[B, K, V]`` or None, ids ``[B, K]`` int64, n ``[B]`` integer or None, greedy bool or ``[B]`` bool."""
+    seeds are drawn from a generator). Shapes already checked: target ``[B, K+1, V]``, draft
+    ``[B, K, V]`` or None, ids ``[B, K]`` integer, n ``[B]`` integer or None, greedy bool or ``[B]``
+    bool. With ``checks`` (``validate=True``), the values the kernel read are gathered again and
+    added to them, after the launch."""
     B, K1, V = target.shape
     K = K1 - 1
     target = _contiguous_rows(target)
@@ -679,7 +684,7 @@ def rejection_sample_triton(
     _rejection_sample_kernel[(B,)](
         target,
         draft_arg,
-        ids.contiguous(),
+        ids.to(torch.int64).contiguous(),
         n_arg,
         greedy_arg,
         seeds,
@@ -697,7 +702,10 @@ def rejection_sample_triton(
         num_warps=num_warps,
         **constexprs,
     )
-    return RejectionOutput(tokens, num_acc)
+    out = RejectionOutput(tokens, num_acc)
+    if checks is not None:
+        require_values_read_after(checks, target, draft, ids, n, greedy, out)
+    return out
 
 
 def _temperature_args(temperature: float | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int, float]:
@@ -810,7 +818,7 @@ def rejection_sample_logits_triton(
     _rejection_sample_logits_kernel[(B,)](
         target,
         draft_arg,
-        ids.contiguous(),
+        ids.to(torch.int64).contiguous(),
         n_arg,
         greedy_arg,
         temp_arg,

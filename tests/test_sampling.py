@@ -20,7 +20,7 @@ from specdec_kernels import (
     triton_available,
 )
 from specdec_kernels._backend import interpreter_enabled
-from specdec_kernels.sampling import _temperature_rows, logit_thresholds
+from specdec_kernels._logits import logit_thresholds, temperature_rows
 from specdec_kernels.testing import SyncCounter, TrafficMeter
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
@@ -156,7 +156,7 @@ def test_all_greedy_logits_skip_the_distributions(monkeypatch, dtype, flag, draf
     raw logits at temperature 0, of the target's probabilities above it; no draft distribution,
     no noise. Same tokens as the reference, with drafts that are sometimes the argmax and
     sometimes not, ties at the top (first maximum) and ragged counts."""
-    import specdec_kernels.sampling as sampling
+    import specdec_kernels._sampling_torch as torch_path
 
     B, K, V = 7, 3, 50
     gen = torch.Generator().manual_seed(11)
@@ -168,9 +168,9 @@ def test_all_greedy_logits_skip_the_distributions(monkeypatch, dtype, flag, draf
     params = dict(temperature=0.0) if flag == "temperature=0" else dict(temperature=0.8, greedy=True, top_k=5)
     expected = rejection_sample_logits(target, draft_logits, ids, n, seed=0, backend="reference", **params)
     processed = []  # the fast path processes the target's logits above temperature 0 only
-    process = sampling.process_logits
-    monkeypatch.setattr(sampling, "process_logits", lambda *a, **kw: processed.append(a[0]) or process(*a, **kw))
-    monkeypatch.setattr(sampling, "make_rejection_noise", None)  # and draws no noise
+    process = torch_path.process_logits
+    monkeypatch.setattr(torch_path, "process_logits", lambda *a, **kw: processed.append(a[0]) or process(*a, **kw))
+    monkeypatch.setattr(torch_path, "make_rejection_noise", None)  # and draws no noise
     actual = rejection_sample_logits(target, draft_logits, ids, n, seed=0, backend="torch", **params)
     assert [t is target for t in processed] == ([] if flag == "temperature=0" else [True])
     assert torch.equal(actual.num_accepted, expected.num_accepted)
@@ -240,7 +240,7 @@ def test_triton_thresholds_match_logit_thresholds(B, K, V, dtype, draft, tempera
     target, draft_logits, row_temperature = threshold_case(B, K, V, dtype)
     draft_logits = draft_logits if draft else None
     temperature = row_temperature if temperature == "rows" else temperature
-    divisor = _temperature_rows(temperature, B, target.device)[0][:, None, None]
+    divisor = temperature_rows(temperature, B, target.device)[0][:, None, None]
     for top_k, top_p in filters:
         top_k = {"V": V, "V+1": V + 1}.get(top_k, top_k)
         thr_t, thr_d = logit_thresholds_triton(target, draft_logits, temperature, top_k, top_p)
@@ -507,17 +507,79 @@ def test_bad_input_raises_naming_the_argument(change, error, name):
         rejection_sample(**kwargs)
 
 
-def test_row_sums_are_checked_only_where_the_sampler_reads():
-    """validate=True checks that used rows sum to 1: rows past a row's draft count are ignored,
-    and a uniform fp16 row over 256000 entries (sum off by 7e-3 from subnormal rounding) passes."""
-    p, q, ids, _, _, _ = make_case(2, 3, 50, torch.float32, draft=True, ragged=False, greedy="none")
-    q[1, 1:], p[1, 2:] = 0.0, 0.0  # never read with counts [3, 1]
-    rejection_sample(p, q, ids, torch.tensor([3, 1]), seed=0)
-    q[0, 2] = 0.0  # read: row 0 uses all three drafts
+def test_row_sums_are_checked_where_the_sampler_reads_them(backend):
+    """validate=True sums the rows the sampler draws a token from (p_j, and q_j at a rejection),
+    not the rows it reads one entry of, nor positions past a row's draft count."""
+    B, K, V = 2, 3, 50
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=torch.Generator().manual_seed(0)), -1)
+    q = p[:, :K].clone()  # q == p with u = 1: every draft is accepted, j = n_b
+    ids, counts = torch.zeros(B, K, dtype=torch.int64), torch.tensor([3, 1])
+    noise = RejectionNoise(torch.ones(B, K), torch.full((B, 2), 0.5), torch.ones(B, V))
+    q[1, 1:], p[1, 2:] = float("nan"), float("nan")  # past row 1's count: never read
+    p[0, 1, 1:] *= 2.0  # only p_1(x_1) is read of this row (x_1 = 0): not summed
+    q[0, 1, 1:] *= 2.0
+    out = rejection_sample(p, q, ids, counts, noise=noise, backend=backend)
+    assert out.num_accepted.tolist() == [3, 1]
+    bonus_off = p.clone()
+    bonus_off[0, 3] *= 1.01  # the bonus row of row 0
+    with pytest.raises(ValueError, match="target_probs rows must sum to 1"):
+        rejection_sample(bonus_off, q, ids, counts, noise=noise, backend=backend)
+    rejected = q.clone()  # q_0(x_0) = 1 > p_0(x_0): row 0 rejects draft 0 and reads q_0 in full
+    rejected[0, 0] = torch.nn.functional.one_hot(torch.tensor(0), V)
+    assert rejection_sample(p, rejected, ids, counts, noise=noise, backend=backend).num_accepted.tolist() == [0, 1]
+    rejected[0, 0, 1] = 0.5
     with pytest.raises(ValueError, match="draft_probs rows must sum to 1"):
-        rejection_sample(p, q, ids, torch.tensor([3, 1]), seed=0)
+        rejection_sample(p, rejected, ids, counts, noise=noise, backend=backend)
+
+
+def test_fp16_rows_sum_to_one_within_subnormal_rounding():
+    """A uniform fp16 row over 256000 entries (sum off by 7e-3 from subnormal rounding) passes."""
     wide = torch.softmax(torch.zeros(1, 2, 256000), -1).half()
     rejection_sample(wide, None, torch.zeros(1, 1, dtype=torch.int64), seed=0)
+
+
+VALUE_ERRORS = [param for param in BAD_INPUTS if param.id in (
+    "ids-range", "n-above-K", "nan", "inf", "negative", "target-not-normalized", "draft-zero-rows")]
+
+
+@pytest.mark.parametrize("change,error,name", VALUE_ERRORS)
+def test_every_backend_checks_the_values_it_reads(backend, change, error, name):
+    """The torch path checks sums it computes anyway; the reference and the kernel have the same
+    values gathered again after the call: the same errors either way."""
+    with pytest.raises(error, match=name):
+        rejection_sample(**{**_good(), **change, "backend": backend})
+
+
+@pytest.mark.parametrize("backend_", ["reference", "torch"])
+def test_greedy_rows_check_the_largest_entries_they_read(backend_):
+    """Greedy rows read only argmaxes: their rows' largest entries must be finite and in (0, 1]
+    (logits passed as probabilities are caught); rows past the accepted ones are not read."""
+    p = torch.softmax(torch.randn(2, 3, 10, generator=torch.Generator().manual_seed(0)), -1)
+    ids = p[:, :2].argmax(-1)
+    ids[:, 1] = (ids[:, 1] + 1) % 10  # draft 1 is not the argmax: rows read positions 0 and 1
+    p[:, 2] = float("nan")
+    rejection_sample(p, None, ids, greedy=True, backend=backend_)
+    for bad, message in ((float("nan"), "NaN or inf"), (-1.0, "without a positive probability"),
+                         (3.0, "above 1")):
+        q = p.clone()
+        q[1, 1] = bad
+        with pytest.raises(ValueError, match=f"target_probs .*{message}"):
+            rejection_sample(q, None, ids, greedy=True, backend=backend_)
+
+
+def test_validation_reads_the_host_once():
+    """Every value check of a call is decided by one host read (none when validate=False)."""
+    p, q, ids, n, g, _ = make_case(8, 4, 300, torch.float32, draft=True, ragged=True, greedy="mixed")
+    for call in (lambda **kw: rejection_sample(p, q, ids, n, greedy=g, seed=0, **kw),
+                 lambda **kw: rejection_sample(p, None, ids, n, greedy=True, **kw),
+                 lambda **kw: rejection_sample_logits(p.log(), q.log(), ids, n, temperature=0.7, top_k=20,
+                                                      seed=torch.arange(8), **kw)):
+        with SyncCounter() as syncs:
+            call()
+        assert syncs.count == 1, syncs.events
+        with SyncCounter() as syncs:
+            call(validate=False)
+        assert syncs.count == 0, syncs.events
 
 
 def test_generator_for_another_device_raises():

@@ -1,20 +1,21 @@
 """Reference speculative verification: one row at a time, as in Leviathan et al. 2022, Algorithm 1.
 
-Same signatures as `specdec_kernels.sampling`; slow on purpose (Python loops over rows and
-positions, host reads everywhere). The random inputs come from `RejectionNoise`, so a fast path
-that consumes the same noise must produce the same tokens.
+Same signatures as `specdec_kernels.sampling` (without ``validate`` and ``backend``); slow on
+purpose (Python loops over rows and positions, host reads everywhere). The random inputs come from
+`RejectionNoise`, so a fast path that consumes the same noise must produce the same tokens.
+
+Imports only torch and the modules the fast paths share with it (types, noise, input checks),
+never a fast path: the oracle cannot share a bug with what it judges.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..sampling import (
-    SAMPLE_CHUNK,
-    RejectionNoise,
-    RejectionOutput,
-    make_rejection_noise,
-)
+from .._checks import ValueChecks
+from .._noise import make_rejection_noise
+from .._sampling_checks import require_values_read_after
+from .._types import SAMPLE_CHUNK, RejectionNoise, RejectionOutput
 
 
 def process_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
@@ -80,19 +81,23 @@ def rejection_sample(
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     noise: RejectionNoise | None = None,
-    validate: bool | None = None,
+    checks: ValueChecks | None = None,
 ) -> RejectionOutput:
-    """Reference of `specdec_kernels.rejection_sample` (inputs are assumed valid).
+    """Reference of `specdec_kernels.rejection_sample` (shapes are assumed checked).
 
     Shapes: target ``[B, K+1, V]``, draft ``[B, K, V]`` or None, ids ``[B, K]``, counts ``[B]``.
     Samples with the exponential race when ``noise.exponential`` is given, else with the
-    two-level inverse CDF of ``noise.uniform``. Returns `RejectionOutput`.
+    two-level inverse CDF of ``noise.uniform``. With ``checks`` (``validate=True``), the values
+    it read are added to them. Returns `RejectionOutput`.
     """
     B, K1, V = target_probs.shape
     K = K1 - 1
     device = target_probs.device
     if noise is None:
         noise = make_rejection_noise(B, K, generator=generator, seed=seed, device=device)
+    elif noise.uniform is None and noise.exponential is None:
+        raise ValueError("the reference backend consumes noise.uniform ([B, 2] float32) or "
+                         "noise.exponential ([B, V]); both are None")
     p_all = target_probs.float().cpu()
     q_all = draft_probs.float().cpu() if draft_probs is not None else None
     ids_all = draft_token_ids.long().cpu()
@@ -143,7 +148,10 @@ def rejection_sample(
         token_ids[b, :accepted] = ids[:accepted]
         token_ids[b, accepted] = token
         num_accepted[b] = accepted
-    return RejectionOutput(token_ids.to(device), num_accepted.to(device))
+    out = RejectionOutput(token_ids.to(device), num_accepted.to(device))
+    if checks is not None:
+        require_values_read_after(checks, target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, out)
+    return out
 
 
 def accepted_by(u: torch.Tensor, q_x: torch.Tensor, p_x: torch.Tensor) -> bool:
@@ -164,7 +172,6 @@ def rejection_sample_logits(
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     noise: RejectionNoise | None = None,
-    validate: bool | None = None,
 ) -> RejectionOutput:
     """Reference of `specdec_kernels.rejection_sample_logits`: `process_logits` on both models'
     logits, then `rejection_sample`; temperature-0 rows are greedy."""
