@@ -12,7 +12,8 @@ Every op takes ``backend="auto" | "reference" | "torch" | "triton"``; see
 from ._backend import BACKENDS, auto_backend, interpreter_enabled, resolve_backend, triton_available
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import KVCache
-from .generation import GenerationOutput, GenerationStats, PromptLookupDraft, generate, speculative_generate
+from .drafts import PromptLookupDraft
+from .generation import GenerationOutput, GenerationStats, generate, speculative_generate
 from .matmul import MatmulPlan
 from .model import Llama, LlamaConfig
 from .pretrained import load_smollm2

@@ -23,8 +23,6 @@ new graph (the first step at each batch size) also synchronizes the device once.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -32,10 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._backend import check_lengths_tensor, device_check, is_int, is_real
-from .cache import KVCache
-from .cuda_graphs import GraphedForward
-from .model import Llama
+from ._backend import is_int, is_real
+from ._model_calls import _check_model, _decoding_forward, _last_logits, _new_cache, _use_cuda_graphs
+from .drafts import PromptLookupDraft
 from .sampling import _check_sampling_params, rejection_sample_logits, sample_logits
 
 # --------------------------------------------------------------------------- results
@@ -112,75 +109,6 @@ class GenerationOutput:
         return self.tokens[row, : int(self.stats.num_generated[row])].tolist()
 
 
-# --------------------------------------------------------------------------- drafts
-
-@dataclass
-class PromptLookupDraft:
-    """Model-free draft: propose the tokens that followed the most recent earlier occurrence of
-    the context's last n-gram (prompt lookup decoding). Tries n = max_ngram down to min_ngram;
-    rows without a match propose nothing that step. Proposals are deterministic (no draft
-    probabilities), so verification accepts a draft exactly when the target would sample it."""
-
-    max_ngram: int = 3
-    min_ngram: int = 1
-
-    def __post_init__(self) -> None:
-        if not (is_int(self.min_ngram) and is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
-            raise ValueError(f"min_ngram and max_ngram must be ints with 1 <= min_ngram <= max_ngram, got "
-                             f"{self.min_ngram!r}, {self.max_ngram!r}")
-
-    def propose(self, context: torch.Tensor, context_lengths: torch.Tensor, k: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Propose up to ``k`` tokens per row, sync-free.
-
-        Args:
-            context: [B, L] int64 token history; row b's first ``context_lengths[b]`` are real.
-            context_lengths: [B] int64.
-            k: tokens to propose at most.
-
-        Returns:
-            (draft_token_ids [B, k] int64, zero-padded; num_draft_tokens [B] int64 in [0, k]).
-
-        Raises:
-            ValueError: bad shapes or dtypes, ``k`` not an int >= 1; a length outside ``0 .. L``
-                (`DeviceCheckError` on CPU, a device assert on CUDA).
-        """
-        if not is_int(k) or k < 1:
-            raise ValueError(f"k must be an int >= 1, got {k!r}")
-        if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.dtype != torch.int64:
-            is_tensor = isinstance(context, torch.Tensor)
-            got = f"{context.dtype} {tuple(context.shape)}" if is_tensor else type(context).__name__
-            raise ValueError(f"context must be a [B, L] int64 tensor, got {got}")
-        B, L = context.shape
-        if L < 1:
-            raise ValueError("context must have at least one column")
-        device = context.device
-        check_lengths_tensor("context_lengths", context_lengths, B, device, on=f"{device} like context")
-        device_check(((context_lengths >= 0) & (context_lengths <= L)).all(),
-                     f"context_lengths must lie in 0..L={L} for every row")
-        k = int(k)
-        found = torch.zeros(B, dtype=torch.bool, device=device)
-        start = torch.zeros(B, dtype=torch.int64, device=device)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if n >= L:
-                continue
-            tail = context.gather(1, (context_lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
-            windows = context.unfold(1, n, 1)  # [B, L - n + 1, n]
-            match = (windows == tail[:, None, :]).all(-1)
-            # A match must end before the tail itself, so that a continuation exists.
-            starts = torch.arange(L - n + 1, device=device)
-            match &= starts[None, :] + n < context_lengths[:, None]
-            match &= (context_lengths >= n + 1)[:, None]
-            latest = torch.where(match, starts[None, :], -1).amax(1)  # most recent occurrence
-            take = (latest >= 0) & ~found
-            start = torch.where(take, latest + n, start)
-            found |= take
-        num = torch.where(found, (context_lengths - start).clamp(max=k), 0)
-        offsets = torch.arange(k, device=device)
-        ids = context.gather(1, (start[:, None] + offsets).clamp(max=L - 1))
-        return torch.where(offsets < num[:, None], ids, 0), num
-
-
 # --------------------------------------------------------------------------- helpers
 
 class _PhaseTimer:
@@ -214,79 +142,6 @@ class _PhaseTimer:
         return self.host.get(phase, 0.0)
 
 
-@functools.lru_cache(maxsize=64)
-def _keywords(forward) -> frozenset[str]:
-    try:
-        return frozenset(inspect.signature(forward).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
-
-
-def _accepts(model, keyword: str) -> bool:
-    """Whether ``model``'s forward takes the optional protocol extension ``keyword``:
-    ``last_only`` (return only each row's last logits, saving the full [B, T, V] head),
-    ``num_tokens`` (the host-known ``q_seqlens.sum()``, letting the model skip padding) or
-    ``max_seqlen`` / ``min_seqlen`` (host bounds on the cache lengths after the call)."""
-    forward = getattr(type(model), "forward", None)
-    return forward is not None and keyword in _keywords(forward)
-
-
-def _forward(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
-             max_seqlen: int | None = None, min_seqlen: int | None = None, **kwargs) -> torch.Tensor:
-    """``model(input_ids, cache, q_seqlens)``, telling it ``num_tokens``, ``max_seqlen`` and
-    ``min_seqlen`` where it listens."""
-    if num_tokens is not None and q_seqlens is not None and _accepts(model, "num_tokens"):
-        kwargs["num_tokens"] = num_tokens
-    for keyword, bound in (("max_seqlen", max_seqlen), ("min_seqlen", min_seqlen)):
-        if bound is not None and _accepts(model, keyword):
-            kwargs[keyword] = bound
-    return model(input_ids, cache, q_seqlens, **kwargs)
-
-
-def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
-                 max_seqlen: int | None = None, min_seqlen: int | None = None) -> torch.Tensor:
-    """[B, V] logits at each row's last real input position (``q_seqlens`` None: position T-1)."""
-    bounds = dict(max_seqlen=max_seqlen, min_seqlen=min_seqlen)
-    if _accepts(model, "last_only"):
-        logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, **bounds, last_only=True)
-        return logits[:, -1]
-    logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, **bounds)
-    if q_seqlens is None:
-        return logits[:, -1]
-    index = (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
-    return logits.gather(1, index)[:, 0]
-
-
-def _use_cuda_graphs(cuda_graphs: bool | None, models, device: torch.device) -> bool:
-    """Whether the loop replays its decoding forwards as CUDA graphs (`GraphedForward`): by
-    default on CUDA when every model is the built-in `Llama` (whose forwards are known to be
-    capturable: no host synchronization); ``True`` asks for it with any protocol model whose
-    cache is a `KVCache`."""
-    if cuda_graphs is None:
-        return device.type == "cuda" and all(isinstance(m, Llama) for m in models)
-    if not isinstance(cuda_graphs, bool):
-        raise TypeError(f"cuda_graphs must be None, True or False, got {type(cuda_graphs).__name__}")
-    if cuda_graphs and device.type != "cuda":
-        raise ValueError(f"cuda_graphs=True needs input_ids and the models on a CUDA device, got {device}")
-    return cuda_graphs
-
-
-def _decoding_forward(model, cache, name: str, graphs: bool, *, last_only: bool) -> Callable:
-    """The loop's decoding forward of ``model``: ``fn(ids, cache, q_seqlens=None, num_tokens=None,
-    *, max_seqlen, min_seqlen)`` -> `_last_logits` (``last_only``) or `_forward`'s logits. With
-    ``graphs``, replayed from CUDA graphs (`GraphedForward`) on ``cache`` (a `KVCache`, whose
-    `select` keeps the object) at full capacity: ``num_tokens`` and the bounds are left out, they
-    would change the shapes (or the masks) every step."""
-    forward = _last_logits if last_only else _forward
-    if not graphs:
-        return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: forward(
-            model, ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, min_seqlen=min_seqlen)
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cuda_graphs needs the {name}'s cache to be a KVCache, got {type(cache).__name__}")
-    graphed = GraphedForward(lambda ids, q_seqlens: forward(model, ids, cache, q_seqlens), cache)
-    return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: graphed(ids, q_seqlens)
-
-
 @dataclass
 class _Request:
     """Validated generation arguments, shared by both loops."""
@@ -301,23 +156,6 @@ class _Request:
     sample: Callable[[torch.Tensor], torch.Tensor]
     sampling: dict = field(default_factory=dict)
     generator: torch.Generator | None = None
-
-
-def _check_model(model, name: str) -> None:
-    for attribute in ("vocab_size", "new_cache"):
-        if not hasattr(model, attribute):
-            raise TypeError(f"{name} must follow the model protocol (callable with .vocab_size and "
-                            f".new_cache(batch_size, max_len)); it has no {attribute!r}")
-
-
-def _new_cache(model, name: str, batch_size: int, max_len: int, device: torch.device):
-    """``model.new_cache(...)``, refusing a cache on another device than the input ids."""
-    cache = model.new_cache(batch_size, max_len)
-    lengths = getattr(cache, "lengths", None)
-    if isinstance(lengths, torch.Tensor) and lengths.device != device:
-        raise ValueError(f"input_ids is on {device} but the {name}'s cache is on {lengths.device}: "
-                         "move input_ids and attention_mask to the model's device")
-    return cache
 
 
 def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,

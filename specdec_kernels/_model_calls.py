@@ -1,0 +1,111 @@
+"""How the decoding loops call a model that follows the model protocol.
+
+A model maps ``(input_ids [B, T], cache, q_seqlens=None)`` to logits ``[B, T, V]``, appends its
+keys and values at each row's own cache length, and has ``vocab_size`` and
+``new_cache(batch_size, max_len)``. Its ``forward`` may also take the keywords ``last_only``,
+``num_tokens``, ``max_seqlen`` and ``min_seqlen``: host-side facts the loops know without a
+sync (see `specdec_kernels.generation`); the helpers here pass each only where it is listened
+for, and wrap decoding forwards in CUDA-graph replay where asked.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from .cache import KVCache
+from .cuda_graphs import GraphedForward
+from .model import Llama
+
+
+@functools.lru_cache(maxsize=64)
+def _keywords(forward) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def _accepts(model, keyword: str) -> bool:
+    """Whether ``model``'s forward takes the optional protocol extension ``keyword``:
+    ``last_only`` (return only each row's last logits, saving the full [B, T, V] head),
+    ``num_tokens`` (the host-known ``q_seqlens.sum()``, letting the model skip padding) or
+    ``max_seqlen`` / ``min_seqlen`` (host bounds on the cache lengths after the call)."""
+    forward = getattr(type(model), "forward", None)
+    return forward is not None and keyword in _keywords(forward)
+
+
+def _forward(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
+             max_seqlen: int | None = None, min_seqlen: int | None = None, **kwargs) -> torch.Tensor:
+    """``model(input_ids, cache, q_seqlens)``, telling it ``num_tokens``, ``max_seqlen`` and
+    ``min_seqlen`` where it listens."""
+    if num_tokens is not None and q_seqlens is not None and _accepts(model, "num_tokens"):
+        kwargs["num_tokens"] = num_tokens
+    for keyword, bound in (("max_seqlen", max_seqlen), ("min_seqlen", min_seqlen)):
+        if bound is not None and _accepts(model, keyword):
+            kwargs[keyword] = bound
+    return model(input_ids, cache, q_seqlens, **kwargs)
+
+
+def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
+                 max_seqlen: int | None = None, min_seqlen: int | None = None) -> torch.Tensor:
+    """[B, V] logits at each row's last real input position (``q_seqlens`` None: position T-1)."""
+    bounds = dict(max_seqlen=max_seqlen, min_seqlen=min_seqlen)
+    if _accepts(model, "last_only"):
+        logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, **bounds, last_only=True)
+        return logits[:, -1]
+    logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, **bounds)
+    if q_seqlens is None:
+        return logits[:, -1]
+    index = (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
+    return logits.gather(1, index)[:, 0]
+
+
+def _use_cuda_graphs(cuda_graphs: bool | None, models, device: torch.device) -> bool:
+    """Whether the loop replays its decoding forwards as CUDA graphs (`GraphedForward`): by
+    default on CUDA when every model is the built-in `Llama` (whose forwards are known to be
+    capturable: no host synchronization); ``True`` asks for it with any protocol model whose
+    cache is a `KVCache`."""
+    if cuda_graphs is None:
+        return device.type == "cuda" and all(isinstance(m, Llama) for m in models)
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be None, True or False, got {type(cuda_graphs).__name__}")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs input_ids and the models on a CUDA device, got {device}")
+    return cuda_graphs
+
+
+def _decoding_forward(model, cache, name: str, graphs: bool, *, last_only: bool) -> Callable:
+    """The loop's decoding forward of ``model``: ``fn(ids, cache, q_seqlens=None, num_tokens=None,
+    *, max_seqlen, min_seqlen)`` -> `_last_logits` (``last_only``) or `_forward`'s logits. With
+    ``graphs``, replayed from CUDA graphs (`GraphedForward`) on ``cache`` (a `KVCache`, whose
+    `select` keeps the object) at full capacity: ``num_tokens`` and the bounds are left out, they
+    would change the shapes (or the masks) every step."""
+    forward = _last_logits if last_only else _forward
+    if not graphs:
+        return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: forward(
+            model, ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, min_seqlen=min_seqlen)
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cuda_graphs needs the {name}'s cache to be a KVCache, got {type(cache).__name__}")
+    graphed = GraphedForward(lambda ids, q_seqlens: forward(model, ids, cache, q_seqlens), cache)
+    return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: graphed(ids, q_seqlens)
+
+
+def _check_model(model, name: str) -> None:
+    for attribute in ("vocab_size", "new_cache"):
+        if not hasattr(model, attribute):
+            raise TypeError(f"{name} must follow the model protocol (callable with .vocab_size and "
+                            f".new_cache(batch_size, max_len)); it has no {attribute!r}")
+
+
+def _new_cache(model, name: str, batch_size: int, max_len: int, device: torch.device):
+    """``model.new_cache(...)``, refusing a cache on another device than the input ids."""
+    cache = model.new_cache(batch_size, max_len)
+    lengths = getattr(cache, "lengths", None)
+    if isinstance(lengths, torch.Tensor) and lengths.device != device:
+        raise ValueError(f"input_ids is on {device} but the {name}'s cache is on {lengths.device}: "
+                         "move input_ids and attention_mask to the model's device")
+    return cache
