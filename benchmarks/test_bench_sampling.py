@@ -100,10 +100,13 @@ def test_rejection_sample_cpu(benchmark, B, impl):
     bench(benchmark, fn, rounds=10 if impl == "reference" else 30)
 
 
-def interleaved_medians(benchmark, calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+def interleaved_medians(benchmark, group: str, calls: dict[str, Callable[[], object]], rounds: int
+                        ) -> dict[str, float]:
     """Median seconds of each call, timed in turn within every round (the order reversed every other
     round), so that a change of the machine's load hits every call alike. pytest-benchmark times
-    whole rounds; the medians and their ratios go to ``extra_info`` and are printed."""
+    whole rounds of the group (B=16); the medians go to ``extra_info`` and are printed."""
+    benchmark.group = f"{group} CPU B=16 K={K} V={V} fp32: default arguments, interleaved"
+    benchmark.extra_info.update(B=16, K=K, V=V, threads=torch.get_num_threads())
     times: dict[str, list[float]] = {name: [] for name in calls}
 
     def one_round(record: bool = True) -> None:
@@ -128,9 +131,7 @@ def test_default_arguments_cpu(benchmark):
     ``validate=False``, and the HF-style per-row loop, interleaved round by round."""
     p, q, ids = make_inputs(16)
     gen = torch.Generator().manual_seed(1)
-    benchmark.group = f"rejection_sample CPU B=16 K={K} V={V} fp32: default arguments, interleaved"
-    benchmark.extra_info.update(B=16, K=K, V=V, threads=torch.get_num_threads())
-    medians = interleaved_medians(benchmark, {
+    medians = interleaved_medians(benchmark, "rejection_sample", {
         "default": lambda: rejection_sample(p, q, ids, generator=gen),
         "validate_false": lambda: rejection_sample(p, q, ids, generator=gen, validate=False),
         "hf_per_row": lambda: hf_per_row(p, q, ids),
@@ -150,9 +151,7 @@ def test_logits_default_arguments_cpu(benchmark):
     draft = base[:, :K] + 0.5 * torch.randn(16, K, V, generator=g)
     ids = torch.multinomial(torch.softmax(draft, -1).reshape(-1, V), 1, generator=g).reshape(16, K)
     gen = torch.Generator().manual_seed(1)
-    benchmark.group = f"rejection_sample_logits CPU B=16 K={K} V={V} fp32: default arguments, interleaved"
-    benchmark.extra_info.update(B=16, K=K, V=V, threads=torch.get_num_threads())
-    medians = interleaved_medians(benchmark, {
+    medians = interleaved_medians(benchmark, "rejection_sample_logits", {
         "default": lambda: rejection_sample_logits(target, draft, ids, generator=gen),
         "validate_false": lambda: rejection_sample_logits(target, draft, ids, generator=gen, validate=False),
     }, rounds=30)

@@ -101,14 +101,8 @@ def process_logits(
     return probs
 
 
-def sample_logits(
-    logits: torch.Tensor,
-    temperature: float | torch.Tensor = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    *,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
+def sample_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
+                  top_p: float | None = None, *, generator: torch.Generator | None = None) -> torch.Tensor:
     """Sample one token per row from exactly `process_logits`' distribution, without host syncs.
 
     Uses the exponential race ``argmax_v p_v / E_v`` with ``E ~ Exp(1)`` from ``generator``

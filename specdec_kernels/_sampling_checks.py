@@ -28,18 +28,11 @@ from ._types import FLOAT_DTYPES, RejectionNoise, RejectionOutput
 _SKIP = "(pass validate=False to skip this check)"
 
 
-def check_sampler_inputs(
-    target: torch.Tensor,
-    draft: torch.Tensor | None,
-    draft_token_ids: torch.Tensor,
-    num_draft_tokens: torch.Tensor | None,
-    greedy: bool | torch.Tensor,
-    generator: torch.Generator | None,
-    seed: int | torch.Tensor | None,
-    noise: RejectionNoise | None,
-    names: tuple[str, str],
-    validate: bool | None,
-) -> tuple[ValueChecks | None, int, int, int]:
+def check_sampler_inputs(target: torch.Tensor, draft: torch.Tensor | None, draft_token_ids: torch.Tensor,
+                         num_draft_tokens: torch.Tensor | None, greedy: bool | torch.Tensor,
+                         generator: torch.Generator | None, seed: int | torch.Tensor | None,
+                         noise: RejectionNoise | None, names: tuple[str, str], validate: bool | None,
+                         ) -> tuple[ValueChecks | None, int, int, int]:
     """Checks shared by both samplers, for ``target`` already checked to be a 3-D tensor: shapes,
     dtypes and devices on the host, always; when ``validate`` (None: True for CPU tensors) the
     values of ids, counts and explicit noise, added to the returned `ValueChecks` (decided later,

@@ -28,18 +28,10 @@ def first_rejection_index_torch(accepted: torch.Tensor, n: torch.Tensor) -> torc
     return torch.where(rejected, pos, n[:, None]).amin(-1)
 
 
-def rejection_sample_torch(
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    draft_token_ids: torch.Tensor,
-    num_draft_tokens: torch.Tensor | None = None,
-    *,
-    greedy: bool | torch.Tensor = False,
-    generator: torch.Generator | None = None,
-    seed: int | torch.Tensor | None = None,
-    noise: RejectionNoise | None = None,
-    checks: ValueChecks | None = None,
-) -> RejectionOutput:
+def rejection_sample_torch(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_token_ids: torch.Tensor,
+                           num_draft_tokens: torch.Tensor | None = None, *, greedy: bool | torch.Tensor = False,
+                           generator: torch.Generator | None = None, seed: int | torch.Tensor | None = None,
+                           noise: RejectionNoise | None = None, checks: ValueChecks | None = None) -> RejectionOutput:
     """`specdec_kernels.rejection_sample` on the torch backend, for checked shapes. With ``checks``,
     the values it reads are added to them (`require_values_read`), from sums and minima of the rows
     it has in hand anyway."""
@@ -57,20 +49,12 @@ def rejection_sample_torch(
     return _rejection_sample(target_probs, draft_probs, ids, n, greedy_rows, noise, checks, ragged)
 
 
-def rejection_sample_logits_torch(
-    target_logits: torch.Tensor,
-    draft_logits: torch.Tensor | None,
-    draft_token_ids: torch.Tensor,
-    num_draft_tokens: torch.Tensor | None = None,
-    *,
-    temperature: float | torch.Tensor = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    greedy: bool | torch.Tensor = False,
-    generator: torch.Generator | None = None,
-    seed: int | torch.Tensor | None = None,
-    noise: RejectionNoise | None = None,
-) -> RejectionOutput:
+def rejection_sample_logits_torch(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
+                                  draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None = None, *,
+                                  temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
+                                  top_p: float | None = None, greedy: bool | torch.Tensor = False,
+                                  generator: torch.Generator | None = None, seed: int | torch.Tensor | None = None,
+                                  noise: RejectionNoise | None = None) -> RejectionOutput:
     """`specdec_kernels.rejection_sample_logits` on the torch backend, for checked inputs:
     `process_logits` on both models' logits, then `rejection_sample_torch`."""
     if isinstance(temperature, torch.Tensor):
@@ -89,12 +73,8 @@ def rejection_sample_logits_torch(
                                   generator=generator, seed=seed, noise=noise)
 
 
-def _sanitize(
-    draft_token_ids: torch.Tensor,
-    num_draft_tokens: torch.Tensor | None,
-    B: int,
-    K: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _sanitize(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None, B: int, K: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 ids and ``[B]`` int64 draft counts.
 
     Counts outside ``[0, K]`` (possible only with ``validate=False``) are brought into range so
