@@ -1,12 +1,11 @@
 """Decoding forwards replayed as CUDA graphs.
 
-On a GPU, a decoding step of a small model is a few milliseconds of kernels behind tens of
-milliseconds of Python and kernel launches: SmolLM2-135M's step launches 487 kernels (974 in
-bf16), which an H100 ran in 1.7-2.8 ms when replayed from a CUDA graph against 17-35 ms eager
-(`benchmarks/RESULTS.md`). The package's forwards are free of host synchronization and, when
-attention reads the cache's whole capacity, have fixed shapes, so each shape can be recorded
-once and replayed. The generation loops use this on CUDA (``cuda_graphs=`` in `generate` and
-`speculative_generate`).
+On a GPU, a decoding step of a small model is a few milliseconds of kernels behind several
+times as long of Python and kernel launches (hundreds of kernels a step for SmolLM2-135M; the
+timings are in ``docs/performance.md``); a replayed graph launches them all at once. The
+package's forwards are free of host synchronization and, when attention reads the cache's whole
+capacity, have fixed shapes, so each shape can be recorded once and replayed. The generation
+loops use this on CUDA (``cuda_graphs=`` in `generate` and `speculative_generate`).
 """
 
 from __future__ import annotations
@@ -89,8 +88,8 @@ class GraphedForward:
                 self.cache.crop(start)
         torch.cuda.current_stream(device).wait_stream(stream)
         # Each graph gets its own memory pool: a shared one could not take a new graph once the
-        # old ones are dropped while their outputs live on (an H100 run hit torch's assert), and
-        # the pools are small (activations and logits of one step).
+        # old ones are dropped while their outputs live on (torch asserts), and the pools are
+        # small (activations and logits of one step).
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
