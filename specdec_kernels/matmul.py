@@ -12,32 +12,40 @@ Four forms compute the same product for ``x`` [..., in] and ``weight`` [out, in]
 
 and the weight itself may be stored row-major (``[out, in]`` contiguous, as loaded) or
 input-major (``weight.t()`` contiguous). Which is fastest depends on the row count and on the
-machine. On this project's 2-core VMs, over every matmul weight of SmolLM2-135M, 2 threads
-(`benchmarks/test_bench_model.py::test_matmuls`):
+machine (its BLAS kernels, threads and memory): on one 2-core x86 VM MKL's packed GEMM won from
+2 rows on, on another ``weight_first`` won at 1-2 rows and oneDNN's above (the timings are in
+``docs/performance.md``). So `measure_matmul_plan` times the forms on the model's own weights
+and returns a `MatmulPlan` (a weight layout, and a form per row count); `Linear` follows it once
+`Llama.pack_weights` has applied it. Without a plan, `linear` picks by row count alone.
 
-- an Intel Xeon (earlier sessions, `benchmarks/CPU_HISTORY.md`; oneDNN not timed): MKL's packed
-  GEMM 1.1-1.6 x faster than the best unpacked form from 4 to 102 rows and as fast at 2-3; one
-  row fastest from an input-major weight (27.7 / 28.1 ms against 33.5 / 31.8 ms for
-  ``F.linear``);
-- an AMD EPYC (2026-11-25, one run): ``weight_first`` from row-major weights fastest at 1 and 2
-  rows (18.4 and 20.5 ms; 33.8 ms for the input-major ``F.linear`` at one row, 50.1 ms for MKL's
-  packed GEMM at two), oneDNN's from 3 rows up (20.7, 25.1, 62.2, 90.9 and 137 ms at 4, 8, 40,
-  64 and 102 rows against 25.1, 40.7, 94.0, 119 and 218 ms for ``weight_first``, and 66-207 ms
-  for MKL's packed GEMM); in scratch timings, ``weight_first`` at 256 rows (412 against 514 ms),
-  and 77.6 ms instead of 16.8 at 2 rows when ``x^T`` was handed to MKL contiguous rather than as
-  ``x``'s transposed view.
+A plan serves the rest of the process, so what else the machine did while it was measured must
+not decide it. While another process holds a core, every multi-threaded call waits for a
+descheduled worker thread, a scheduler tick at a time: the timings then rank the forms by how
+often they synchronize, and a form that is slower on a quiet machine can win by far. Two rules
+keep such a load out of the plan:
 
-So `measure_matmul_plan` times the forms on the model's own weights and returns a `MatmulPlan`
-(a weight layout, and a form per row count); `Linear` follows it once `Llama.pack_weights`
-has applied it. Without a plan, `linear` picks by row count alone.
+- `measure_matmul_plan` times each matmul call on its own, in passes that take every row count
+  and form in turn, and keeps each call's fastest pass (`fastest_calls`): a load that comes and
+  goes spares some pass of every call, while it would spoil most whole passes.
+- A load that lasts through the measurement spares none, and no measurement can tell then what a
+  quiet machine would show. `measured_matmul_plan` therefore stores a plan on disk, keyed by the
+  machine, only when nothing else used the CPU while it was measured (`cpu_seconds_elsewhere`),
+  and every later process on that machine (loaded or not) reuses the stored plan.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
+import platform
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +57,9 @@ from ._backend import is_int
 def weight_first(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` computed as ``(weight @ x^T)^T`` (``x`` [..., in], ``weight`` [out, in]).
 
-    ``x`` is made contiguous so that MKL is handed ``x^T`` as a transposed view; a single row is
-    duplicated to two (see the module docstring). Returns a transposed view [..., out]."""
+    ``x`` is made contiguous so that MKL is handed ``x^T`` as a transposed view (it ran a
+    contiguous ``x^T`` several times slower); a single row is duplicated to two (see the module
+    docstring). Returns a transposed view [..., out]."""
     rows, width = x.numel() // max(x.shape[-1], 1), x.shape[-1]
     x2 = x.reshape(rows, width).contiguous()
     if rows == 1:
@@ -60,22 +69,18 @@ def weight_first(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [..., in] and ``weight`` [out, in] (``F.linear`` without bias),
-    without a measured plan: on the CPU, for 4 to 63 rows, by `weight_first`, which MKL ran
-    1.26-1.40 x faster than ``F.linear`` over SmolLM2's weights at 8 and 40 rows on an Intel
-    Xeon (1.1-1.2 x slower at one row, 1.4-1.6 x slower at 2-3, 0.8-1.1 x from 64 rows up), and
-    1.2-1.6 x faster from 4 to 64 rows on an AMD EPYC (`benchmarks/test_bench_model.py`)."""
+    without a measured plan: on the CPU, for 4 to 63 rows, by `weight_first`, the row counts
+    where MKL ran it faster than ``F.linear`` on every machine measured (Intel and AMD;
+    `benchmarks/test_bench_model.py::test_matmuls`)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if x.device.type != "cpu" or not 4 <= rows < 64:
         return F.linear(x, weight)
     return weight_first(x, weight)
 
 
-# MKL and oneDNN choose the kernels of a packed weight from the row count given when packing.
-# Packed for 64 rows, SmolLM2-135M's weights ran 1.1-1.6 x faster under MKL than with the best
-# unpacked form from 4 to 102 rows and 5% slower at 816 on an Intel Xeon (two runs), as fast at
-# 1-3 rows (one run); packed for 8 rows, 1.4-1.7 x slower from 40 rows up. oneDNN's packed for
-# 8 and for 64 rows ran within 4% of each other from 1 to 102 rows on an AMD EPYC (for 1 row,
-# 1.1-1.5 x slower from 2 rows up).
+# MKL and oneDNN choose the kernels of a packed weight from the row count given when packing:
+# packed for 64 rows, their weights serve one-row decoding as well as verification and prefill
+# widths, while packing for a few rows slows the wide calls.
 _PACK_ROWS = 64
 
 
@@ -186,12 +191,12 @@ class MatmulPlan:
         return f"{'input' if self.input_major else 'row'}-major weights; " + ", ".join(spans)
 
 
-#: MKL's packed GEMM from 2 rows on, one row by ``F.linear`` from an input-major weight: what the
-#: Intel Xeon measurements favoured (see the module docstring).
+#: MKL's packed GEMM from 2 rows on, one row by ``F.linear`` from an input-major weight: what an
+#: Intel Xeon's measurements favoured (``docs/performance.md``).
 MKL_PACKED_PLAN = MatmulPlan(input_major=True, forms=((1, "linear"), (2, "mkl_packed")))
 
 # Row counts `measure_matmul_plan` times (decoding batches, verification widths); more rows (prefills)
-# run the form of the last. Timing 128 rows too would take about 1.2 s more on SmolLM2-135M.
+# run the form of the last: a prefill runs once per call, and each row count adds seconds to measuring.
 MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 # The weights are stored input-major only when that layout's best forms are this much faster
@@ -209,17 +214,19 @@ def measure_matmul_plan(weights: Sequence[torch.Tensor], *, row_counts: Sequence
     """Time every form and weight layout on ``weights`` and return the fastest `MatmulPlan`
     (`choose_matmul_plan`).
 
-    Each candidate, ``"linear"`` and ``"weight_first"`` from row-major weights, ``"linear"``
-    from input-major ones, and the packed forms this torch build has, runs one pass over all of
-    ``weights`` at each of ``row_counts`` rows, ``repeats`` times in turn with the others (the
-    fastest counts), after one untimed pass each at one row.
+    The candidates are ``"linear"`` and ``"weight_first"`` from row-major weights, ``"linear"``
+    from input-major ones, and the packed forms this torch build has. Each of ``repeats``
+    passes runs every row count of ``row_counts`` and, at each, every candidate over all of
+    ``weights``, timing each matmul call on its own (after one untimed call each at one row). A
+    candidate's time at a row count is the sum of its calls' fastest (`fastest_calls`): see the
+    module docstring for why calls, not passes, and why passes take the row counts in turn.
 
     Args:
         weights: CPU float32 [out, in] weights in the order a forward pass reads them. Give more
             bytes than the last-level cache holds (a few layers and the LM head), so the passes
             stream them from memory as decoding does; the weights themselves are not changed.
         row_counts: ascending row counts to time, the first 1.
-        repeats: timed passes per candidate and row count.
+        repeats: timed passes.
 
     Raises:
         ValueError: no weights, a weight that is not CPU float32 [out, in], or bad row counts.
@@ -240,30 +247,45 @@ def measure_matmul_plan(weights: Sequence[torch.Tensor], *, row_counts: Sequence
         weights = [w.detach() for w in weights]
         rows_first = [w if w.is_contiguous() else w.contiguous() for w in weights]            # row-major
         inputs_first = [w if w.t().is_contiguous() else w.t().contiguous().t() for w in weights]  # input-major
-        candidates: dict[Candidate, Callable] = {
-            (False, "linear"): lambda xs: [F.linear(xs[w.shape[1]], w) for w in rows_first],
-            (False, "weight_first"): lambda xs: [weight_first(xs[w.shape[1]], w) for w in rows_first],
-            (True, "linear"): lambda xs: [F.linear(xs[w.shape[1]], w) for w in inputs_first],
+        calls: dict[Candidate, list[Callable[[torch.Tensor], torch.Tensor]]] = {  # one call per weight
+            (False, "linear"): [partial(F.linear, weight=w) for w in rows_first],
+            (False, "weight_first"): [partial(weight_first, weight=w) for w in rows_first],
+            (True, "linear"): [partial(F.linear, weight=w) for w in inputs_first],
         }
-        for name, packed_form in PACKED_FORMS.items():
-            if packed_form.available():
-                copies = [packed_form.pack(w) for w in rows_first]
-                candidates[(None, name)] = lambda xs, run=packed_form.run, copies=copies: [
-                    run(xs[w.shape[1]], p, w) for w, p in zip(rows_first, copies, strict=True)]
+        for name, form in PACKED_FORMS.items():
+            if form.available():
+                calls[(None, name)] = [partial(form.run, packed=form.pack(w), weight=w) for w in rows_first]
         gen = torch.Generator().manual_seed(0)
-        one_row = {w.shape[1]: torch.randn(1, w.shape[1], generator=gen) for w in weights}
-        for run in candidates.values():  # first calls: allocations, MKL's own setup
-            run(one_row)
-        seconds: dict[int, dict[Candidate, float]] = {}
-        for rows in counts:
-            xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w in weights}
-            best = seconds[rows] = dict.fromkeys(candidates, math.inf)
-            for _ in range(repeats):  # round robin, so that a slow spell of the machine hits every form
-                for key, run in candidates.items():
-                    start = time.perf_counter()
-                    run(xs)
-                    best[key] = min(best[key], time.perf_counter() - start)
-    return choose_matmul_plan(seconds)
+        inputs = {rows: [torch.randn(rows, w.shape[1], generator=gen) for w in weights] for rows in [1, *counts]}
+        for candidate in calls.values():  # first calls: allocations, MKL's own setup
+            for call, x in zip(candidate, inputs[1], strict=True):
+                call(x)
+        passes: dict[int, dict[Candidate, list[list[float]]]] = {rows: {key: [] for key in calls} for rows in counts}
+        for _ in range(repeats):
+            for rows in counts:
+                for key, candidate in calls.items():
+                    pass_seconds = []
+                    for call, x in zip(candidate, inputs[rows], strict=True):
+                        start = time.perf_counter()
+                        call(x)
+                        pass_seconds.append(time.perf_counter() - start)
+                    passes[rows][key].append(pass_seconds)
+    return choose_matmul_plan({rows: {key: fastest_calls(timed) for key, timed in by_key.items()}
+                               for rows, by_key in passes.items()})
+
+
+def fastest_calls(passes: Sequence[Sequence[float]]) -> float:
+    """The seconds of one pass with every call at its fastest: ``passes[p][i]`` timed call ``i``
+    in pass ``p`` (every pass makes the same calls); the sum over calls of their minimum over the
+    passes. A disturbance that slows one call of a pass (a scheduler tick's wait) then costs
+    nothing as long as another pass ran that call undisturbed.
+
+    Raises:
+        ValueError: no passes, or passes of different lengths.
+    """
+    if not passes or len({len(p) for p in passes}) != 1:
+        raise ValueError(f"passes must be one or more passes of equally many calls, got {passes!r}")
+    return sum(min(call) for call in zip(*passes, strict=True))
 
 
 def choose_matmul_plan(seconds: Mapping[int, Mapping[Candidate, float]]) -> MatmulPlan:
@@ -305,16 +327,95 @@ def choose_matmul_plan(seconds: Mapping[int, Mapping[Candidate, float]]) -> Matm
     return MatmulPlan(input_major=input_major, forms=tuple(forms))
 
 
-_MEASURED: dict[tuple, MatmulPlan] = {}
+#: A measurement is stored for later processes only if the rest of the machine used at most this
+#: many CPU seconds per second of it: idle daemons stay far below, one busy thread elsewhere is 1.
+QUIET_CPU_SHARE = 0.1
+
+_MEASURED: dict[str, MatmulPlan] = {}  # plans of this process, by `_plan_key`
+
+
+def cpu_seconds_elsewhere() -> float | None:
+    """CPU seconds, since boot, that this machine's CPUs spent on anything but this process: other
+    processes, the kernel's own work, and time the hypervisor gave to other machines (steal).
+    None where ``/proc/stat`` cannot be read (systems other than Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 5 or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal: all but idle and iowait (guest time is in user)
+    ticks = [int(t) for t in fields[1:9]]
+    own = os.times()
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK") - own.user - own.system
+
+
+def plans_file() -> Path:
+    """Where `measured_matmul_plan` stores plans: ``matmul_plans.json`` in the package's cache folder
+    (`specdec_kernels.pretrained.cache_dir`: ``$SPECDEC_KERNELS_CACHE`` or ``~/.cache/specdec_kernels``).
+    Deleting it makes the next process measure again."""
+    from .pretrained import cache_dir  # here, not above: pretrained imports the model, which imports this module
+
+    return cache_dir() / "matmul_plans.json"
+
+
+def _plan_key(weights: Sequence[torch.Tensor]) -> str:
+    """What a plan holds for: the CPU model and count, the torch build, its threads and packed forms,
+    and the weights' shapes."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    available = [name for name, form in PACKED_FORMS.items() if form.available()]
+    return json.dumps([cpu or platform.processor() or platform.machine(), os.cpu_count(), torch.__version__,
+                       torch.get_num_threads(), available, [list(w.shape) for w in weights]])
+
+
+def _stored_plans(path: Path) -> dict:
+    try:
+        plans = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: measure
+        plans = None
+    return plans if isinstance(plans, dict) else {}
+
+
+def _store_plan(path: Path, key: str, plan: MatmulPlan) -> None:
+    plans = {**_stored_plans(path), key: {"input_major": plan.input_major, "forms": plan.forms}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump(plans, f, indent=1)
+        os.replace(f.name, path)  # whole or not at all, whatever another process reads meanwhile
+    except OSError:  # a read-only cache folder: the plan serves this process only
+        pass
 
 
 def measured_matmul_plan(weights: Sequence[torch.Tensor]) -> MatmulPlan:
-    """`measure_matmul_plan` once per process for weights of these shapes and this number of
-    torch threads (later calls return the plan measured first)."""
-    available = tuple(name for name, form in PACKED_FORMS.items() if form.available())
-    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(), available)
+    """The `MatmulPlan` for weights of these shapes on this machine, under this number of torch
+    threads: the one stored in `plans_file` if a process stored one, else `measure_matmul_plan`'s,
+    stored there if the rest of the machine used at most `QUIET_CPU_SHARE` of a CPU meanwhile
+    (`cpu_seconds_elsewhere`; never where that cannot be told). Once per process: later calls
+    return the same plan.
+
+    A plan measured under a load that lasted through the measurement may be slow on the quiet
+    machine (see the module docstring): it serves the process that measured it, and is not stored,
+    so that a process on the quiet machine measures again.
+    """
+    key = _plan_key(weights)
     if key not in _MEASURED:
-        _MEASURED[key] = measure_matmul_plan(weights)
+        path, plan = plans_file(), None
+        with contextlib.suppress(TypeError, KeyError, ValueError):  # no entry, or not a plan
+            entry = _stored_plans(path).get(key)
+            plan = MatmulPlan(input_major=entry["input_major"], forms=entry["forms"])
+        if plan is None:
+            elsewhere, start = cpu_seconds_elsewhere(), time.perf_counter()
+            plan = measure_matmul_plan(weights)
+            seconds, after = time.perf_counter() - start, cpu_seconds_elsewhere()
+            if elsewhere is not None and after is not None and after - elsewhere <= QUIET_CPU_SHARE * seconds:
+                _store_plan(path, key, plan)
+        _MEASURED[key] = plan
     return _MEASURED[key]
 
 

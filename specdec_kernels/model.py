@@ -91,9 +91,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32:
-            # On the CPU, Hugging Face's values to the bit (the same ops inside), and 1.2-1.3 x
-            # faster than those ops spelled out at 1-8 rows (decoding; at 816, a batch-8
-            # prefill, from 1.3 x slower to even in two runs of `test_rms_norm`).
+            # On the CPU, Hugging Face's values to the bit (the same ops inside), and faster than
+            # those ops spelled out at a decoding step's few rows, where each op's dispatch
+            # outweighs its work (`test_rms_norm` times both).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Hugging Face's LlamaRMSNorm op for op: normalized in fp32, cast back before the weight
         # (a fused op would round once, after the weight).
@@ -359,25 +359,27 @@ class Llama(nn.Module):
 
         Without ``plan``, `measured_matmul_plan` times each form (``F.linear``, ``weight @ x^T``,
         MKL's packed GEMM and oneDNN's) and weight layout (row-major, input-major) on the first
-        layers' weights and the LM head, at 1 to 64 rows (4.1-5.2 s for SmolLM2-135M on a 2-core AMD
-        EPYC VM, once per process), and picks a layout and a form per row count: what won
-        differs between machines (`specdec_kernels.matmul`), and close calls may go either way
-        between processes, which changes the last bits of the logits. ``plan=`` applies a given
-        `MatmulPlan` instead (`specdec_kernels.matmul.MKL_PACKED_PLAN`, for one), the same in
-        every process. Measuring holds up to three more copies of the timed weights (256 MiB)
-        for a few seconds. Every `Linear` then stores its
-        weight in the plan's layout, in place (the parameters keep their shapes, values and
-        ties; ``pack_weights(False)`` stores them row-major again), and, for each packed form
-        the plan runs, a packed copy of it, which adds about one more copy of those weights to
-        the resident memory (MKL reserves more address space than it touches); weights that shared
-        storage with another model (a `from_pretrained` of a loaded module) no longer do, which
-        adds another copy of those. MKL packs for the current number of torch threads (for its
+        layers' weights and the LM head, at 1 to 64 rows (seconds, for SmolLM2-135M), and picks a
+        layout and a form per row count: what won differs between machines
+        (`specdec_kernels.matmul`). A plan measured while nothing else used the CPU is stored
+        (`specdec_kernels.matmul.plans_file`) and reused by every later process on this machine,
+        with these shapes and this number of torch threads; one measured under load serves this
+        process only. Close calls may go either way between measurements, which changes the last
+        bits of the logits. ``plan=`` applies a given `MatmulPlan` instead
+        (`specdec_kernels.matmul.MKL_PACKED_PLAN`, for one), the same in every process.
+        Measuring holds up to three more copies of the timed weights (256 MiB) for a few seconds.
+        Every `Linear` then stores its weight in the plan's layout, in place (the parameters keep
+        their shapes, values and ties; ``pack_weights(False)`` stores them row-major again), and,
+        for each packed form the plan runs, a packed copy of it, which adds about one more copy of
+        those weights to the resident memory (MKL reserves more address space than it touches);
+        weights that shared storage with another model (a `from_pretrained` of a loaded module)
+        no longer do, which adds another copy of those. MKL packs for the current number of torch threads (for its
         speed; results do not depend on it): call this method again after changing it.
 
         A tied input embedding stored input-major with the LM head makes its lookups strided
-        gathers: 0.05-0.06 against 0.007 ms for 8 tokens (a batch-8 decoding step), 14-18
-        against 0.1-0.25 ms for 816 (a batch-8 prefill; SmolLM2's table, 1-2 threads, scratch
-        timing), against the LM head's gain at every one-row step.
+        gathers, many times slower than row reads (worst at a prefill's hundreds of tokens),
+        against the LM head's gain at every one-row step: hence the margin the input-major
+        layout must win by.
 
         Forwards on other devices or dtypes, or with autograd, run as without a plan (``.to()``,
         copies and pickles keep the layout). Input-major weights are not contiguous:

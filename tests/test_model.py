@@ -11,6 +11,8 @@ from specdec_kernels.matmul import (
     Linear,
     MatmulPlan,
     choose_matmul_plan,
+    cpu_seconds_elsewhere,
+    fastest_calls,
     linear,
     measure_matmul_plan,
     mkl_packing_available,
@@ -541,6 +543,17 @@ FORM_OPS = {"linear": "aten::linear", "weight_first": "aten::mm", "mkl_packed": 
             "onednn_packed": "mkldnn::_linear_pointwise"}
 
 
+@pytest.fixture
+def plans_in_tmp_path(monkeypatch, tmp_path):
+    """Measured plans kept in ``tmp_path`` (not the user's cache folder), and none yet in this process."""
+    from specdec_kernels import matmul
+
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path))
+    monkeypatch.setattr(matmul, "_MEASURED", {})
+    return tmp_path / "matmul_plans.json"
+
+
+@pytest.mark.usefixtures("plans_in_tmp_path")
 @pytest.mark.parametrize("plan", PLANS)
 def test_every_plan_gives_the_unprepared_logits(plan):
     """Whatever plan `pack_weights` applies (or measures), a ragged batch's logits are those of
@@ -669,3 +682,127 @@ def test_rms_norm_matches_hugging_face_arithmetic(dtype, dim):
         # to the bit. Rounding once after the weight, as a fused op does, changes about a
         # quarter of the half-precision entries.
         assert torch.equal(out, expected)
+
+
+def test_a_call_slowed_in_some_passes_does_not_decide_the_plan():
+    """Each call counts at its fastest pass. ``weight_first`` is the quiet machine's fastest at one
+    row, but a load slowed one of its three calls in every pass (a different one each time); the
+    minimum over whole passes would pick ``F.linear``, which ran undisturbed at twice the time."""
+    disturbed = [[5.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 5.0]]  # ms per call, one list per pass
+    passes = {1: {(False, "linear"): [[2.0, 2.0, 2.0]] * 3, (False, "weight_first"): disturbed,
+                  (True, "linear"): [[3.0, 3.0, 3.0]] * 3}}
+    whole_passes = {1: {key: min(map(sum, timed)) for key, timed in passes[1].items()}}
+    fastest = {1: {key: fastest_calls(timed) for key, timed in passes[1].items()}}
+    assert choose_matmul_plan(whole_passes) == MatmulPlan(input_major=False, forms=((1, "linear"),))
+    assert fastest[1][(False, "weight_first")] == 3.0
+    assert choose_matmul_plan(fastest) == MatmulPlan(input_major=False, forms=((1, "weight_first"),))
+    assert fastest_calls([[2.0, 7.0]]) == 9.0
+    for bad in ([], [[1.0, 2.0], [1.0]]):
+        with pytest.raises(ValueError, match="passes must"):
+            fastest_calls(bad)
+
+
+def stub_measurement(monkeypatch, plan: MatmulPlan, elsewhere: list[float | None]) -> list:
+    """`measure_matmul_plan` returns ``plan`` (and logs its weights' shapes); `cpu_seconds_elsewhere`
+    returns the values of ``elsewhere`` in turn: a measurement is quiet when its two readings are equal."""
+    from specdec_kernels import matmul
+
+    measured, readings = [], iter(elsewhere)
+    monkeypatch.setattr(matmul, "measure_matmul_plan", lambda ws: measured.append([w.shape for w in ws]) or plan)
+    monkeypatch.setattr(matmul, "cpu_seconds_elsewhere", lambda: next(readings))
+    return measured
+
+
+def test_a_plan_measured_on_a_quiet_machine_is_stored_for_later_processes(monkeypatch, plans_in_tmp_path):
+    from specdec_kernels import matmul
+
+    weights = [torch.randn(8, 4), torch.randn(4, 8)]
+    measured = stub_measurement(monkeypatch, ONEDNN_PLAN, [5.0, 5.0])
+    assert matmul.plans_file() == plans_in_tmp_path
+    assert matmul.measured_matmul_plan(weights) == ONEDNN_PLAN and len(measured) == 1
+    assert matmul.measured_matmul_plan(weights) == ONEDNN_PLAN and len(measured) == 1  # once per process
+    monkeypatch.setattr(matmul, "_MEASURED", {})  # a later process, with a machine as loaded as may be
+    measured = stub_measurement(monkeypatch, WEIGHT_FIRST_PLAN, [0.0, 1e6])
+    assert matmul.measured_matmul_plan(weights) == ONEDNN_PLAN and not measured
+    model = tiny_llama(seed=2)
+    stub_measurement(monkeypatch, ONEDNN_PLAN, [5.0, 5.0])
+    model.pack_weights()
+    monkeypatch.setattr(matmul, "_MEASURED", {})
+    measured = stub_measurement(monkeypatch, WEIGHT_FIRST_PLAN, [0.0, 1e6])
+    assert tiny_llama(seed=2).pack_weights().output.plan == ONEDNN_PLAN and not measured
+    # Other shapes, or another number of threads: measured anew.
+    stub_measurement(monkeypatch, WEIGHT_FIRST_PLAN, [5.0, 5.0])
+    assert matmul.measured_matmul_plan(weights[:1]) == WEIGHT_FIRST_PLAN
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        stub_measurement(monkeypatch, MKL_PACKED_PLAN, [5.0, 5.0])
+        assert matmul.measured_matmul_plan(weights) == MKL_PACKED_PLAN
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("elsewhere", [[0.0, 10.0], [None, None], [0.0, None]],
+                         ids=["loaded", "unknown", "unknown-after"])
+def test_a_plan_measured_under_load_serves_only_its_process(monkeypatch, plans_in_tmp_path, elsewhere):
+    """Another process used the CPU while the plan was measured (10 CPU seconds within a
+    measurement of a few milliseconds), or that cannot be told: the plan is not stored."""
+    from specdec_kernels import matmul
+
+    weights = [torch.randn(8, 4)]
+    measured = stub_measurement(monkeypatch, WEIGHT_FIRST_PLAN, elsewhere)
+    assert matmul.measured_matmul_plan(weights) == WEIGHT_FIRST_PLAN and len(measured) == 1
+    assert not plans_in_tmp_path.exists()
+    monkeypatch.setattr(matmul, "_MEASURED", {})  # a later process measures again, and stores on a quiet machine
+    measured = stub_measurement(monkeypatch, ONEDNN_PLAN, [1.0, 1.0])
+    assert matmul.measured_matmul_plan(weights) == ONEDNN_PLAN and len(measured) == 1
+    assert plans_in_tmp_path.exists()
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", "{KEY: 3}",
+                                     '{KEY: {"input_major": false, "forms": [[2, "linear"]]}}'],
+                         ids=["not-json", "not-a-dict", "not-a-plan", "bad-forms"])
+def test_an_unreadable_plans_file_is_measured_over(monkeypatch, plans_in_tmp_path, content):
+    import json
+
+    from specdec_kernels import matmul
+
+    weights = [torch.randn(8, 4)]
+    plans_in_tmp_path.write_text(content.replace("KEY", json.dumps(matmul._plan_key(weights))))
+    measured = stub_measurement(monkeypatch, ONEDNN_PLAN, [1.0, 1.0])
+    assert matmul.measured_matmul_plan(weights) == ONEDNN_PLAN and len(measured) == 1
+    monkeypatch.setattr(matmul, "_MEASURED", {})
+    stub_measurement(monkeypatch, WEIGHT_FIRST_PLAN, [1.0, 1.0])
+    assert matmul.measured_matmul_plan(weights) == ONEDNN_PLAN  # stored over the bad content
+
+
+def test_a_plans_folder_that_cannot_be_written_leaves_the_plan_to_its_process(monkeypatch, tmp_path):
+    from specdec_kernels import matmul
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(blocker / "cache"))  # below a file: cannot be made
+    monkeypatch.setattr(matmul, "_MEASURED", {})
+    stub_measurement(monkeypatch, ONEDNN_PLAN, [1.0, 1.0])
+    assert matmul.measured_matmul_plan([torch.randn(8, 4)]) == ONEDNN_PLAN
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.skipif(cpu_seconds_elsewhere() is None, reason="needs /proc/stat (Linux)")
+def test_cpu_seconds_elsewhere_counts_other_processes(monkeypatch):
+    import resource
+    import subprocess
+    import sys
+
+    from specdec_kernels import matmul
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = cpu_seconds_elsewhere()
+    subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 0.5\n"
+                    "while time.process_time() < end: pass"], check=True)
+    after = cpu_seconds_elsewhere()
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child = now.ru_utime + now.ru_stime - children.ru_utime - children.ru_stime
+    assert child >= 0.5 and after - before >= child - 0.05  # clock ticks: 10 ms apart
+    monkeypatch.setattr(matmul, "open", lambda *args: open("/nonexistent/stat"), raising=False)
+    assert cpu_seconds_elsewhere() is None
