@@ -100,26 +100,29 @@ def test_rejection_sample_cpu(benchmark, B, impl):
     bench(benchmark, fn, rounds=10 if impl == "reference" else 30)
 
 
-def interleaved_medians(benchmark, group: str, calls: dict[str, Callable[[], object]], rounds: int
-                        ) -> dict[str, float]:
-    """Median seconds of each call, timed in turn within every round (the order reversed every other
-    round), so that a change of the machine's load hits every call alike. pytest-benchmark times
-    whole rounds of the group (B=16); the medians go to ``extra_info`` and are printed."""
+def interleaved_medians(benchmark, group: str, calls: dict[str, Callable[[], object]], rounds: int,
+                        repeats: int = 5) -> dict[str, float]:
+    """Median seconds of each call over ``rounds`` rounds, interleaved: every round runs each call
+    once untimed, then ``repeats`` times timed, the calls in a rotated order from round to round,
+    so that a change of the machine's load hits every call alike and no call is always timed right
+    after the same other one (the per-row loop leaves the allocator and caches in another state).
+    pytest-benchmark times whole rounds; the medians go to ``extra_info`` and are printed."""
     benchmark.group = f"{group} CPU B=16 K={K} V={V} fp32: default arguments, interleaved"
-    benchmark.extra_info.update(B=16, K=K, V=V, threads=torch.get_num_threads())
-    times: dict[str, list[float]] = {name: [] for name in calls}
+    benchmark.extra_info.update(B=16, K=K, V=V, threads=torch.get_num_threads(), rounds=rounds, repeats=repeats)
+    names = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    counter = iter(range(10**9))
 
-    def one_round(record: bool = True) -> None:
-        order = list(calls) if len(times[next(iter(calls))]) % 2 == 0 else list(reversed(calls))
-        for name in order:
-            start = time.perf_counter()
-            calls[name]()
-            if record:
+    def one_round() -> None:
+        shift = next(counter) % len(names)
+        for name in names[shift:] + names[:shift]:
+            calls[name]()  # untimed: the call after another one
+            for _ in range(repeats):
+                start = time.perf_counter()
+                calls[name]()
                 times[name].append(time.perf_counter() - start)
 
-    for _ in range(3):  # warm-up rounds, not recorded
-        one_round(record=False)
-    benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=0)
+    benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=1)
     medians = {name: statistics.median(t) for name, t in times.items()}
     benchmark.extra_info.update({f"{name}_median_ms": m * 1e3 for name, m in medians.items()})
     print(f"\n{benchmark.group}: " + ", ".join(f"{name} {m * 1e3:.3f} ms" for name, m in medians.items()))
@@ -135,7 +138,7 @@ def test_default_arguments_cpu(benchmark):
         "default": lambda: rejection_sample(p, q, ids, generator=gen),
         "validate_false": lambda: rejection_sample(p, q, ids, generator=gen, validate=False),
         "hf_per_row": lambda: hf_per_row(p, q, ids),
-    }, rounds=40)
+    }, rounds=20)
     ratios = {"hf_per_row / default": medians["hf_per_row"] / medians["default"],
               "default / validate_false": medians["default"] / medians["validate_false"]}
     benchmark.extra_info.update(ratios)
@@ -154,7 +157,7 @@ def test_logits_default_arguments_cpu(benchmark):
     medians = interleaved_medians(benchmark, "rejection_sample_logits", {
         "default": lambda: rejection_sample_logits(target, draft, ids, generator=gen),
         "validate_false": lambda: rejection_sample_logits(target, draft, ids, generator=gen, validate=False),
-    }, rounds=30)
+    }, rounds=10)
     ratio = medians["default"] / medians["validate_false"]
     benchmark.extra_info["default / validate_false"] = ratio
     print(f"default / validate_false = {ratio:.2f}x (goal: <= 1.3x)")

@@ -120,12 +120,12 @@ class ValueChecks:
     def require(self, ok: torch.Tensor, message: str | Callable[[], str]) -> None:
         """Record that every entry of the bool tensor ``ok`` must be true; ``message`` (a string, or
         a function returning one) is the ValueError's message when it is not."""
-        self._checks.append((ok.all(), message))
+        self._checks.append((ok, message))
 
     def raise_first_failure(self) -> None:
         """Raise ValueError with the message of the first failed check; one host read when all pass."""
-        if not self._checks or bool(torch.stack([ok for ok, _ in self._checks]).all()):
+        if not self._checks or bool(torch.cat([ok.reshape(-1) for ok, _ in self._checks]).all()):
             return
         for ok, message in self._checks:
-            if not bool(ok):
+            if not bool(ok.all()):
                 raise ValueError(message if isinstance(message, str) else message())

@@ -227,10 +227,9 @@ def require_values_read(
         unread = torch.arange(p_x.shape[1], device=n.device) >= n[:, None] if ragged else None
         if greedy_rows is not None:
             unread = greedy_rows[:, None] if unread is None else unread | greedy_rows[:, None]
-        for name, x in (("target_probs", p_x), ("draft_probs", q_x)):
-            if x is not None:
-                ok = x.clamp(0.0, most) == x  # NaN fails too
-                checks.require(ok if unread is None else ok | unread, _entries_message(name, x, unread))
+        x = p_x if q_x is None else torch.stack((p_x, q_x))  # one check for both
+        ok = x.clamp(0.0, most) == x  # NaN fails too
+        checks.require(ok if unread is None else ok | unread, _entries_message(p_x, q_x, unread, most))
     for name, row in (("target_probs", p_row), ("draft_probs", q_row)):
         if row is not None:
             low, total = row
@@ -248,14 +247,19 @@ def require_values_read(
         checks.require((maxima.clamp(0.0, most) == maxima) & (maxima > 0) | ~read, _maxima_message(maxima, read))
 
 
-def _entries_message(name: str, x: torch.Tensor, unread: torch.Tensor | None):
+def _entries_message(p_x: torch.Tensor, q_x: torch.Tensor | None, unread: torch.Tensor | None, most: float):
     def message() -> str:
-        x_read = x if unread is None else x[~unread]
-        if not bool(x_read.isfinite().all()):
-            return f"{name} contains NaN or inf {_SKIP}"
-        if bool((x_read < 0).any()):
-            return f"{name} contains negative probabilities {_SKIP}"
-        return f"{name} contains a probability above 1 ({float(x_read.max()):.6g}) {_SKIP}"
+        for name, x in (("target_probs", p_x), ("draft_probs", q_x)):
+            x_read = x if x is None or unread is None else x[~unread]
+            if x_read is None or not x_read.numel():
+                continue
+            if not bool(x_read.isfinite().all()):
+                return f"{name} contains NaN or inf {_SKIP}"
+            if bool((x_read < 0).any()):
+                return f"{name} contains negative probabilities {_SKIP}"
+            if bool((x_read > most).any()):
+                return f"{name} contains a probability above 1 ({float(x_read.max()):.6g}) {_SKIP}"
+        return f"target_probs or draft_probs is out of range {_SKIP}"  # not reached: one of the above fails
 
     return message
 

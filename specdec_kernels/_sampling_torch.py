@@ -153,7 +153,7 @@ def _rejection_sample(
     if K > 0 and draft is not None:
         q_j = draft.reshape(B * K, V).index_select(0, rows * K + jd)
         if checks is not None:
-            q_row = (q_j.amin(-1), q_j.sum(-1, dtype=torch.float32))
+            q_row = (q_j.amin(-1), q_j.sum(-1) if q_j.dtype == torch.float32 else q_j.sum(-1, dtype=torch.float32))
         w.sub_(q_j).clamp_min_(0.0)  # max(p_j - q_j, 0), in float32
     elif K > 0:
         x_j = safe_ids.gather(1, jd[:, None])
