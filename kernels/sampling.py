@@ -27,6 +27,10 @@ is kept in both kernels and in the reference.
 
 Uniforms: acceptance ``u = (r >> 8 + 1) * 2**-24`` in (0, 1]; race ``u = (r >> 9 + 0.5) * 2**-23``
 in (0, 1), so ``E > 0``. Both are exact in float32; nothing is clamped.
+
+Why one module of this length: the four kernels share their ``@triton.jit`` helpers (row inputs,
+the RNG, the race merge, the scaled logits), their launch-argument builders and their registry
+entries; split apart, each piece would import the others.
 """
 
 from __future__ import annotations
