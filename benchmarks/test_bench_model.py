@@ -112,7 +112,7 @@ def test_decode_step(benchmark, batch, capacity, bounded, weights):
     torch.manual_seed(0)
     model = Llama(SMOLLM2).eval()
     if weights == "packed":
-        model.pack_weights()  # measured under the benchmark's thread count
+        model.pack_weights()  # the plan for the benchmark's thread count: stored, or measured now
     cache = model.new_cache(batch, capacity)
     max_seqlen = 81 if bounded else None
     model(torch.randint(0, SMOLLM2.vocab_size, (batch, 80)), cache, max_seqlen=max_seqlen and 80)

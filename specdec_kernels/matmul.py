@@ -24,9 +24,10 @@ descheduled worker thread, a scheduler tick at a time: the timings then rank the
 often they synchronize, and a form that is slower on a quiet machine can win by far. Two rules
 keep such a load out of the plan:
 
-- `measure_matmul_plan` times each matmul call on its own, in passes that take every row count
-  and form in turn, and keeps each call's fastest pass (`fastest_calls`): a load that comes and
-  goes spares some pass of every call, while it would spoil most whole passes.
+- `measure_matmul_plan` times each matmul call on its own, in passes that each take every row
+  count and form in turn (so that each call's passes spread over the whole measurement), and
+  keeps each call's fastest pass (`fastest_calls`): a load that comes and goes spares some pass
+  of every call, while it would spoil most whole passes.
 - A load that lasts through the measurement spares none, and no measurement can tell then what a
   quiet machine would show. `measured_matmul_plan` therefore stores a plan on disk, keyed by the
   machine, only when nothing else used the CPU while it was measured (`cpu_seconds_elsewhere`),
