@@ -10,6 +10,7 @@ Every op takes ``backend="auto" | "reference" | "torch" | "triton"``; see
 """
 
 from ._backend import BACKENDS, auto_backend, interpreter_enabled, resolve_backend, triton_available
+from ._checks import DeviceCheckError
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import KVCache
 from .drafts import PromptLookupDraft
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "DeviceCheckError",
     "GenerationOutput",
     "GenerationStats",
     "Llama",

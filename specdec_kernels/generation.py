@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._backend import is_int, is_real
+from ._checks import DeviceCheckError, device_check
 from ._model_calls import _check_model, _decoding_forward, _last_logits, _new_cache, _use_cuda_graphs
 from .drafts import PromptLookupDraft
 from .sampling import _check_sampling_params, rejection_sample_logits, sample_logits
@@ -288,12 +289,66 @@ def _new_stats(batch_size: int, device) -> GenerationStats:
     return GenerationStats(zeros(), zeros(), zeros(), zeros())
 
 
-def _rows_still_running(done: torch.Tensor, *values: torch.Tensor) -> tuple[list[int], list[int]]:
+class _LogitsCheck:
+    """Every forward's logits, checked without a host synchronization.
+
+    The width must equal the model's ``vocab_size`` (a shape: checked on the host at once). A row
+    the loop samples from must have a finite maximum: NaN, +inf or nothing but -inf leave no
+    token to sample, and a sampler handed them would have to make one up. On CPU that raises at
+    once (`device_check`); on CUDA a flag per model is read in the step's one transfer
+    (`_rows_still_running`), which raises, so the loop stays sync-free and a bad model never
+    triggers a device-side assert.
+    """
+
+    def __init__(self, device: torch.device, names: tuple[str, ...]) -> None:
+        self.names = names  # the loop's names of its models, for the messages
+        self.deferred = device.type == "cuda"
+        self.failed = torch.zeros(len(names), dtype=torch.bool, device=device)
+
+    @staticmethod
+    def message(name: str) -> str:
+        return (f"the {name} model returned NaN or infinite logits, or a row of only -inf: no token can be "
+                "sampled from them (check its weights, its inputs and its dtype: float16 overflows past 65504)")
+
+    def __call__(self, name: str, model, logits: torch.Tensor, q_seqlens: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """Check ``logits`` ([B, V], or [B, T, V] of which row b uses the first ``q_seqlens[b]``)
+        of the ``name`` model (one of ``names``) and return them."""
+        if logits.shape[-1] != model.vocab_size:
+            raise ValueError(f"the {name} model returned logits of width {logits.shape[-1]} but its vocab_size "
+                             f"is {model.vocab_size}: ids past vocab_size would be sampled")
+        bad = ~torch.isfinite(logits.amax(-1))
+        if q_seqlens is not None and logits.dim() == 3:
+            bad &= torch.arange(logits.shape[1], device=logits.device) < q_seqlens[:, None]
+        if self.deferred:
+            self.failed[self.names.index(name)] |= bad.any()
+            # The samplers would assert on such rows on the device; zeros keep them quiet until
+            # the step's transfer raises, and what they sample is never returned.
+            logits = logits.masked_fill(bad[..., None], 0.0)
+        else:
+            device_check(~bad.any(), self.message(name))
+        return logits
+
+    def checked(self, name: str, model, forward: Callable) -> Callable:
+        """``forward`` (a `_decoding_forward`) with its logits checked."""
+        return lambda ids, cache, q_seqlens=None, *args, **kwargs: self(
+            name, model, forward(ids, cache, q_seqlens, *args, **kwargs), q_seqlens)
+
+    def raise_if_failed(self, flags: list[int]) -> None:
+        for name, failed in zip(self.names, flags, strict=True):
+            if failed:
+                raise DeviceCheckError(self.message(name))
+
+
+def _rows_still_running(done: torch.Tensor, check: _LogitsCheck, *values: torch.Tensor
+                        ) -> tuple[list[int], list[int]]:
     """The loop's one host synchronization per step: which batch positions are still running,
-    and the 0-d integer ``values`` (cache lengths, draft counts) read in the same transfer."""
-    flat = torch.cat([done.long(), *(v.view(1).long() for v in values)]).tolist()
-    B = done.shape[0]
-    return [i for i, d in enumerate(flat[:B]) if not d], flat[B:]
+    and the 0-d integer ``values`` (cache lengths, draft counts) read in the same transfer, with
+    the logits check's flags (raising if a model returned logits no token can come from)."""
+    flat = torch.cat([done.long(), check.failed.long(), *(v.view(1).long() for v in values)]).tolist()
+    B, M = done.shape[0], len(check.names)
+    check.raise_if_failed(flat[B: B + M])
+    return [i for i, d in enumerate(flat[:B]) if not d], flat[B + M:]
 
 
 def _running_range(values: torch.Tensor, done: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,16 +394,17 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
     rows = torch.arange(B, device=device)  # input row of each batch position
     cache = _new_cache(model, "model", B, request.max_len, device)
-    step = _decoding_forward(model, cache, "model", graphs, last_only=True)
+    check = _LogitsCheck(device, ("model",))
+    step = check.checked("model", model, _decoding_forward(model, cache, "model", graphs, last_only=True))
     with timer("prefill"):
-        logits = _last_logits(model, request.prompt, cache, request.prompt_lengths, request.prompt_tokens,
-                              max_seqlen=request.prompt.shape[1])
+        logits = check("model", model, _last_logits(model, request.prompt, cache, request.prompt_lengths,
+                                                     request.prompt_tokens, max_seqlen=request.prompt.shape[1]))
     stats.target_forwards += 1
     while True:
         with timer("sampler"):
             token = request.sample(logits)
         _, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
-        running, (longest, shortest) = _rows_still_running(done, *_running_range(cache.lengths, done))
+        running, (longest, shortest) = _rows_still_running(done, check, *_running_range(cache.lengths, done))
         if not running:
             break
         if len(running) < len(rows):
@@ -417,10 +473,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     rows = torch.arange(B, device=device)
 
     target_cache = _new_cache(target, "target", B, request.max_len, device)
-    verify = _decoding_forward(target, target_cache, "target", graphs, last_only=False)
+    check = _LogitsCheck(device, ("target", "draft"))
+    verify = check.checked("target", target, _decoding_forward(target, target_cache, "target", graphs,
+                                                                 last_only=False))
     with timer("prefill"):
-        logits = _last_logits(target, request.prompt, target_cache, request.prompt_lengths, request.prompt_tokens,
-                              max_seqlen=request.prompt.shape[1])
+        logits = check("target", target, _last_logits(target, request.prompt, target_cache, request.prompt_lengths,
+                                                       request.prompt_tokens, max_seqlen=request.prompt.shape[1]))
     stats.target_forwards += 1
     if lookup:  # token history: prompt, then everything emitted
         context = torch.zeros(B, request.prompt.shape[1] + request.max_new_tokens + K + 1, dtype=torch.int64,
@@ -429,10 +487,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         context_lengths = request.prompt_lengths.clone()
     else:
         draft_cache = _new_cache(draft, "draft", B, request.max_len, device)
-        draft_step = _decoding_forward(draft, draft_cache, "draft", graphs, last_only=True)
+        draft_step = check.checked("draft", draft, _decoding_forward(draft, draft_cache, "draft", graphs,
+                                                                     last_only=True))
         with timer("draft prefill"):
-            draft_prefill = _last_logits(draft, request.prompt, draft_cache, request.prompt_lengths,
-                                         request.prompt_tokens, max_seqlen=request.prompt.shape[1])
+            draft_prefill = check("draft", draft, _last_logits(draft, request.prompt, draft_cache,
+                                                               request.prompt_lengths, request.prompt_tokens,
+                                                               max_seqlen=request.prompt.shape[1]))
         stats.draft_forwards += 1
         if (draft_prefill.dtype, draft_prefill.device) != (logits.dtype, logits.device):
             raise ValueError(f"draft must produce logits like the target's ({logits.dtype} on {logits.device}), "
@@ -457,12 +517,13 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         # drafts any row has) is known on the host without a second synchronization.
         if lookup:
             running, (target_longest, target_shortest, widest, fewest_drafts, total_drafts) = _rows_still_running(
-                done, *_running_range(target_cache.lengths, done), *_running_range(num_drafts, done),
+                done, check, *_running_range(target_cache.lengths, done), *_running_range(num_drafts, done),
                 num_drafts.masked_fill(done, 0).sum())
         else:
             running, (target_longest, target_shortest, draft_longest, draft_shortest, most_pending,
                       fewest_pending) = _rows_still_running(
-                done, *_running_range(target_cache.lengths, done), *_running_range(draft_cache.lengths, done),
+                done, check, *_running_range(target_cache.lengths, done),
+                *_running_range(draft_cache.lengths, done),
                 *_running_range(pending_lengths, done))
         if not running:
             break
