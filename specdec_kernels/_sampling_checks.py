@@ -222,7 +222,8 @@ def require_values_read(
     """
     tolerance = sum_tolerance(dtype, V)
     most = 1.0 + tolerance
-    greedy_rows = greedy if isinstance(greedy, torch.Tensor) else None  # None: no greedy row among sampled ones
+    # None for a bool: every row samples (False), or every row is greedy (True: only maxima are given).
+    greedy_rows = greedy if isinstance(greedy, torch.Tensor) else None
     if p_x is not None:
         unread = torch.arange(p_x.shape[1], device=n.device) >= n[:, None] if ragged else None
         if greedy_rows is not None:
