@@ -288,6 +288,10 @@ def _check_demo_args(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
             demo.error(f"{flag} must be >= 1, got {value}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         demo.error(f"--temperature must be finite and >= 0, got {args.temperature}")
+    from specdec_kernels._sampling_checks import effective_temperature
+
+    # The samplers' rule, applied here too so that the token check knows a greedy run.
+    args.temperature = effective_temperature(args.temperature)
     if args.top_p is not None and not 0 < args.top_p <= 1:  # (also refuses nan)
         demo.error(f"--top-p must lie in (0, 1], got {args.top_p}")
     if not -(2**63) <= args.seed < 2**64:

@@ -15,6 +15,9 @@ from ._noise import exponential_noise
 from ._sampling_checks import check_sampling_params
 from ._types import FLOAT_DTYPES
 
+_NO_ARGMAX = ("logits must have a finite maximum in every greedy row (a row holds NaN or +inf, or only -inf): "
+              "no token is the argmax")
+
 
 def temperature_rows(
     temperature: float | torch.Tensor, batch: int, device: torch.device
@@ -88,7 +91,7 @@ def process_logits(
     if logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
     B = logits.shape[0]
-    check_sampling_params(temperature, top_k, top_p, B, logits.device)
+    temperature = check_sampling_params(temperature, top_k, top_p, B, logits.device)
     divisor, greedy = temperature_rows(temperature, B, logits.device)
     scaled = logits.float() / _broadcast_rows(divisor, logits.ndim)
     thr = logit_thresholds(scaled, top_k, top_p)
@@ -96,7 +99,9 @@ def process_logits(
         scaled = scaled.masked_fill(scaled < thr[..., None], float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if isinstance(temperature, torch.Tensor) or temperature == 0:
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        top, argmax = logits.max(-1, keepdim=True)
+        device_check((torch.isfinite(top[..., 0]) | ~_broadcast_rows(greedy, logits.ndim - 1)).all(), _NO_ARGMAX)
+        one_hot = torch.zeros_like(probs).scatter_(-1, argmax, 1.0)
         probs = torch.where(_broadcast_rows(greedy, logits.ndim), one_hot, probs)
     return probs
 
@@ -120,9 +125,11 @@ def sample_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0,
     if logits.shape[-1] < 1:
         raise ValueError(f"logits must have a vocabulary of V >= 1 entries, got shape {tuple(logits.shape)}")
     check_generator(generator, logits.device)
+    temperature = check_sampling_params(temperature, top_k, top_p, logits.shape[0], logits.device)
     if not isinstance(temperature, torch.Tensor) and temperature == 0:
-        check_sampling_params(temperature, top_k, top_p, logits.shape[0], logits.device)
-        return logits.argmax(-1)  # greedy: filters keep the argmax, no randomness to draw
+        top, token = logits.max(-1)  # greedy: filters keep the argmax, no randomness to draw
+        device_check(torch.isfinite(top).all(), _NO_ARGMAX)
+        return token
     probs = process_logits(logits, temperature, top_k, top_p)
     E = exponential_noise(tuple(probs.shape), generator, probs.device)
     scores = torch.where(probs > 0, probs / E, torch.full_like(probs, -1.0))

@@ -136,14 +136,29 @@ def _check_noise(noise: RejectionNoise, B: int, K: int, V: int, device: torch.de
             raise ValueError(f"noise tensors must be on {device}, got {t.device}")
 
 
+#: Temperatures below float32's smallest normal number are greedy, in every backend, the loops and
+#: the CLI: float32, in which every backend divides, rounds them to 0 or overflows dividing by
+#: them, and sampling tends to the argmax as the temperature falls to 0.
+GREEDY_BELOW = torch.finfo(torch.float32).tiny
+
+
+def effective_temperature(temperature: float | torch.Tensor) -> float | torch.Tensor:
+    """``temperature`` with every value below `GREEDY_BELOW` set to 0 (greedy); a float stays a
+    float, a tensor a tensor of its dtype (sync-free)."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature.masked_fill(temperature < GREEDY_BELOW, 0.0)
+    return 0.0 if temperature < GREEDY_BELOW else float(temperature)
+
+
 def check_sampling_params(
     temperature: float | torch.Tensor,
     top_k: int | None,
     top_p: float | None,
     batch: int,
     device: torch.device,
-) -> None:
-    """Temperature (a float, or a [B] floating tensor checked on the device), top-k and top-p."""
+) -> float | torch.Tensor:
+    """Check temperature (a float, or a [B] floating tensor checked on the device), top-k and
+    top-p; return `effective_temperature`, the temperature every backend then uses."""
     if isinstance(temperature, torch.Tensor):
         if temperature.ndim != 1 or temperature.shape[0] != batch:
             raise ValueError(
@@ -174,6 +189,7 @@ def check_sampling_params(
             raise TypeError(f"top_p must be a float or None, got {type(top_p).__name__}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    return effective_temperature(temperature)
 
 
 # --------------------------------------------------------------------------- values the sampler reads

@@ -179,7 +179,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     # NumPy scalars become Python numbers (the samplers take Python ints and floats).
     temperature, top_p = (float(x) if is_real(x) and not isinstance(x, int) else x for x in (temperature, top_p))
     top_k = int(top_k) if is_int(top_k) else top_k
-    _check_sampling_params(temperature, top_k, top_p, B, input_ids.device)
+    temperature = _check_sampling_params(temperature, top_k, top_p, B, input_ids.device)
     if seed is not None and not is_int(seed):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if seed is not None and not -(2**63) <= seed < 2**64:

@@ -197,7 +197,7 @@ def rejection_sample_logits(
     backend = resolve_backend(backend, target_logits.device)
     checks, B, *_ = check_sampler_inputs(target_logits, draft_logits, draft_token_ids, num_draft_tokens, greedy,
                                          generator, seed, noise, ("target_logits", "draft_logits"), validate)
-    check_sampling_params(temperature, top_k, top_p, B, target_logits.device)
+    temperature = check_sampling_params(temperature, top_k, top_p, B, target_logits.device)
     if checks is not None:
         require_logit_rows(checks, target_logits, draft_logits, num_draft_tokens, temperature)
     out = _REJECTION_SAMPLE_LOGITS[backend](

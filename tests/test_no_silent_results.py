@@ -1,11 +1,22 @@
 """No silent wrong results: a model whose logits no token can come from (NaN, +inf, a row of only
 -inf) or whose logits are wider than its vocabulary makes both decoding loops raise a clear
-error, at every temperature and with every kind of draft, never emit a made-up token."""
+error, at every temperature and with every kind of draft, never emit a made-up token; greedy
+sampling of such logits raises; a temperature too small for float32 is greedy everywhere."""
 
 import pytest
 import torch
 
-from specdec_kernels import DeviceCheckError, PromptLookupDraft, generate, generation, speculative_generate
+from specdec_kernels import (
+    DeviceCheckError,
+    PromptLookupDraft,
+    generate,
+    generation,
+    process_logits,
+    rejection_sample_logits,
+    sample_logits,
+    speculative_generate,
+)
+from specdec_kernels.reference import sampling as reference
 
 from tiny_models import tiny_llama
 
@@ -101,3 +112,51 @@ def test_draft_logits_wider_than_the_targets_raise(model):
     wide_draft = Faulty(tiny_llama(seed=1, vocab_size=105).truncated(1), vocab_size=97)
     with pytest.raises(ValueError, match="the draft model returned logits of width 105"):
         run("model-draft", model, wide_draft, 0.8)
+
+
+# --------------------------------------------------------------------------- samplers
+
+@pytest.mark.parametrize("row", ["nan", "one-nan", "plus-inf", "minus-inf"])
+def test_greedy_sampling_of_logits_without_an_argmax_raises(row):
+    logits = torch.randn(3, 11)
+    logits[1] = {"nan": float("nan"), "plus-inf": 0.0, "minus-inf": float("-inf"), "one-nan": 0.0}[row]
+    if row == "one-nan":
+        logits[1, 5] = float("nan")
+    if row == "plus-inf":
+        logits[1, 7] = float("inf")
+    with pytest.raises(ValueError, match="finite maximum in every greedy row"):
+        sample_logits(logits, 0.0)
+    with pytest.raises(ValueError, match="finite maximum in every greedy row"):
+        process_logits(logits, torch.tensor([1.0, 0.0, 1.0]))
+    with pytest.raises(ValueError, match="finite maximum in every greedy row"):
+        reference.process_logits(logits, 0.0)
+
+
+TINY = [1e-300, 1e-45, 1e-39]  # below float32's smallest normal (1.18e-38): greedy
+
+
+@pytest.mark.parametrize("temperature", TINY)
+def test_tiny_temperatures_are_greedy_on_every_backend(temperature, backend):
+    generator = torch.Generator().manual_seed(0)
+    B, K, V = 4, 3, 50
+    target = torch.randn(B, K + 1, V, generator=generator) * 3
+    draft = torch.randn(B, K, V, generator=generator) * 3
+    ids = torch.randint(0, V, (B, K), generator=generator)
+    ids[:2] = target[:2, :K].argmax(-1)  # two rows whose drafts greedy decoding accepts
+    greedy = rejection_sample_logits(target, draft, ids, temperature=0.0, backend=backend, seed=1)
+    tiny = rejection_sample_logits(target, draft, ids, temperature=temperature, backend=backend, seed=1)
+    per_row = rejection_sample_logits(target, draft, ids, temperature=torch.full((B,), temperature),
+                                      backend=backend, seed=1)
+    for out in (tiny, per_row):
+        assert torch.equal(out.token_ids, greedy.token_ids) and torch.equal(out.num_accepted, greedy.num_accepted)
+    assert torch.equal(sample_logits(target[:, 0], temperature, generator=generator), target[:, 0].argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", TINY)
+def test_tiny_temperatures_decode_greedily(model, temperature):
+    ids, mask = prompts()
+    greedy = generate(model, ids, mask, max_new_tokens=6, temperature=0.0)
+    tiny = generate(model, ids, mask, max_new_tokens=6, temperature=temperature, seed=5)
+    spec = speculative_generate(model, PromptLookupDraft(), ids, mask, max_new_tokens=6, temperature=temperature,
+                                seed=5)
+    assert torch.equal(tiny.tokens, greedy.tokens) and torch.equal(spec.tokens, greedy.tokens)

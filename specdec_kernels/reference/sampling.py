@@ -14,7 +14,7 @@ import torch
 
 from .._checks import ValueChecks
 from .._noise import make_rejection_noise
-from .._sampling_checks import require_values_read_after
+from .._sampling_checks import effective_temperature, require_values_read_after
 from .._types import SAMPLE_CHUNK, RejectionNoise, RejectionOutput
 
 
@@ -25,12 +25,16 @@ def process_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0
     survives top-p when the (top-k renormalized) mass of the strictly larger entries is below
     top_p. Temperature-0 rows are one-hot at the first maximum. O(V^2) per row: small V only."""
     B, V = logits.shape[0], logits.shape[-1]
+    temperature = effective_temperature(temperature)  # below float32's smallest normal: greedy
     temperature = (temperature.tolist() if isinstance(temperature, torch.Tensor) else [temperature] * B)
     out = torch.zeros(logits.shape, dtype=torch.float32)
     for b in range(B):
         rows = logits[b].float().cpu().reshape(-1, V)
         for r, row in enumerate(rows):
             if temperature[b] == 0:
+                if not torch.isfinite(row.max()):
+                    raise ValueError("logits must have a finite maximum in every greedy row (a row holds NaN or "
+                                     "+inf, or only -inf): no token is the argmax")
                 out[b].view(-1, V)[r, int(row.argmax())] = 1.0
                 continue
             x = row / temperature[b]
@@ -176,6 +180,7 @@ def rejection_sample_logits(
     """Reference of `specdec_kernels.rejection_sample_logits`: `process_logits` on both models'
     logits, then `rejection_sample`; temperature-0 rows are greedy."""
     B = target_logits.shape[0]
+    temperature = effective_temperature(temperature)
     if isinstance(temperature, torch.Tensor):
         greedy_rows = temperature == 0
         if isinstance(greedy, torch.Tensor):
