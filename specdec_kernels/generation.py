@@ -19,6 +19,9 @@ reads a device value on the host except the one "which rows are done?" check, wh
 also drops finished rows from the batch so they stop costing compute. On CUDA the decoding
 forwards are replayed as CUDA graphs (`specdec_kernels.cuda_graphs`); a step that records a
 new graph (the first step at each batch size) also synchronizes the device once.
+
+The two loops share one module on purpose: they share their argument checks, output bookkeeping
+and statistics, and are meant to be read side by side.
 """
 
 from __future__ import annotations
@@ -31,8 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._backend import is_int, is_real
-from ._checks import DeviceCheckError, device_check
-from ._model_calls import _check_model, _decoding_forward, _last_logits, _new_cache, _use_cuda_graphs
+from ._model_calls import _check_model, _decoding_forward, _last_logits, _LogitsCheck, _new_cache, _use_cuda_graphs
 from .drafts import PromptLookupDraft
 from .sampling import _check_sampling_params, rejection_sample_logits, sample_logits
 
@@ -287,57 +289,6 @@ def _finish(request: _Request, input_ids, outputs: _Outputs, stats: GenerationSt
 def _new_stats(batch_size: int, device) -> GenerationStats:
     zeros = lambda: torch.zeros(batch_size, dtype=torch.int64, device=device)
     return GenerationStats(zeros(), zeros(), zeros(), zeros())
-
-
-class _LogitsCheck:
-    """Every forward's logits, checked without a host synchronization.
-
-    The width must equal the model's ``vocab_size`` (a shape: checked on the host at once). A row
-    the loop samples from must have a finite maximum: NaN, +inf or nothing but -inf leave no
-    token to sample, and a sampler handed them would have to make one up. On CPU that raises at
-    once (`device_check`); on CUDA a flag per model is read in the step's one transfer
-    (`_rows_still_running`), which raises, so the loop stays sync-free and a bad model never
-    triggers a device-side assert.
-    """
-
-    def __init__(self, device: torch.device, names: tuple[str, ...]) -> None:
-        self.names = names  # the loop's names of its models, for the messages
-        self.deferred = device.type == "cuda"
-        self.failed = torch.zeros(len(names), dtype=torch.bool, device=device)
-
-    @staticmethod
-    def message(name: str) -> str:
-        return (f"the {name} model returned NaN or infinite logits, or a row of only -inf: no token can be "
-                "sampled from them (check its weights, its inputs and its dtype: float16 overflows past 65504)")
-
-    def __call__(self, name: str, model, logits: torch.Tensor, q_seqlens: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-        """Check ``logits`` ([B, V], or [B, T, V] of which row b uses the first ``q_seqlens[b]``)
-        of the ``name`` model (one of ``names``) and return them."""
-        if logits.shape[-1] != model.vocab_size:
-            raise ValueError(f"the {name} model returned logits of width {logits.shape[-1]} but its vocab_size "
-                             f"is {model.vocab_size}: ids past vocab_size would be sampled")
-        bad = ~torch.isfinite(logits.amax(-1))
-        if q_seqlens is not None and logits.dim() == 3:
-            bad &= torch.arange(logits.shape[1], device=logits.device) < q_seqlens[:, None]
-        if self.deferred:
-            self.failed[self.names.index(name)] |= bad.any()
-            # The samplers would assert on such rows on the device; zeros keep them quiet until
-            # the step's transfer raises, and what they sample is never returned.
-            logits = logits.masked_fill(bad[..., None], 0.0)
-        else:
-            device_check(~bad.any(), self.message(name))
-        return logits
-
-    def checked(self, name: str, model, forward: Callable) -> Callable:
-        """``forward`` (a `_decoding_forward`) with its logits checked."""
-        return lambda ids, cache, q_seqlens=None, *args, **kwargs: self(
-            name, model, forward(ids, cache, q_seqlens, *args, **kwargs), q_seqlens)
-
-    def raise_if_failed(self, flags: list[int]) -> None:
-        for name, failed in zip(self.names, flags, strict=True):
-            if failed:
-                raise DeviceCheckError(self.message(name))
 
 
 def _rows_still_running(done: torch.Tensor, check: _LogitsCheck, *values: torch.Tensor
