@@ -99,9 +99,10 @@ def process_logits(
         scaled = scaled.masked_fill(scaled < thr[..., None], float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if isinstance(temperature, torch.Tensor) or temperature == 0:
+        # A greedy row without a finite maximum has no argmax: its distribution is NaN, as the
+        # softmax of such a row is, for the caller to refuse where it reads it.
         top, argmax = logits.max(-1, keepdim=True)
-        device_check((torch.isfinite(top[..., 0]) | ~_broadcast_rows(greedy, logits.ndim - 1)).all(), _NO_ARGMAX)
-        one_hot = torch.zeros_like(probs).scatter_(-1, argmax, 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, argmax, 1.0).masked_fill_(~torch.isfinite(top), float("nan"))
         probs = torch.where(_broadcast_rows(greedy, logits.ndim), one_hot, probs)
     return probs
 

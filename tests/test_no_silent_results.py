@@ -126,10 +126,26 @@ def test_greedy_sampling_of_logits_without_an_argmax_raises(row):
         logits[1, 7] = float("inf")
     with pytest.raises(ValueError, match="finite maximum in every greedy row"):
         sample_logits(logits, 0.0)
-    with pytest.raises(ValueError, match="finite maximum in every greedy row"):
-        process_logits(logits, torch.tensor([1.0, 0.0, 1.0]))
-    with pytest.raises(ValueError, match="finite maximum in every greedy row"):
-        reference.process_logits(logits, 0.0)
+    # The distribution of a greedy row without an argmax is undefined: NaN, never a one-hot.
+    for probs in (process_logits(logits, torch.tensor([1.0, 0.0, 1.0])), reference.process_logits(logits, 0.0)):
+        assert probs[1].isnan().all() and not probs[[0, 2]].isnan().any()
+
+
+@pytest.mark.parametrize("validate", [None, False])
+@pytest.mark.parametrize("temperature", [0.0, "per-row"])
+def test_non_finite_logits_the_sampler_never_reads_are_ignored_alike(backend, temperature, validate):
+    """Ragged counts: positions past a row's count are not read, so NaN there changes nothing."""
+    generator = torch.Generator().manual_seed(2)
+    target, draft = torch.randn(2, 4, 30, generator=generator), torch.randn(2, 3, 30, generator=generator)
+    ids, counts = target[:, :3].argmax(-1), torch.tensor([1, 3])
+    clean = rejection_sample_logits(target, draft, ids, counts, temperature=0.0, seed=0, backend="reference")
+    target[0, 3], draft[0, 2] = float("nan"), float("nan")
+    t = torch.tensor([0.0, 0.0]) if temperature == "per-row" else temperature
+    out = rejection_sample_logits(target, draft, ids, counts, temperature=t, seed=0, backend=backend,
+                                  **({} if backend == "reference" else {"validate": validate}))
+    assert torch.equal(out.num_accepted, clean.num_accepted)
+    assert torch.equal(out.token_ids[0, :2], clean.token_ids[0, :2])
+    assert torch.equal(out.token_ids[1], clean.token_ids[1])
 
 
 TINY = [1e-300, 1e-45, 1e-39]  # below float32's smallest normal (1.18e-38): greedy

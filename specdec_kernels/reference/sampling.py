@@ -32,10 +32,10 @@ def process_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0
         rows = logits[b].float().cpu().reshape(-1, V)
         for r, row in enumerate(rows):
             if temperature[b] == 0:
-                if not torch.isfinite(row.max()):
-                    raise ValueError("logits must have a finite maximum in every greedy row (a row holds NaN or "
-                                     "+inf, or only -inf): no token is the argmax")
-                out[b].view(-1, V)[r, int(row.argmax())] = 1.0
+                if torch.isfinite(row.max()):
+                    out[b].view(-1, V)[r, int(row.argmax())] = 1.0
+                else:  # no argmax: an undefined distribution, as the softmax of such a row
+                    out[b].view(-1, V)[r] = float("nan")
                 continue
             x = row / temperature[b]
             larger = x[None, :] > x[:, None]  # larger[i, j]: entry j is strictly larger than entry i
