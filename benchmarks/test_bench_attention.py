@@ -14,9 +14,8 @@ On CUDA the Triton kernel is benchmarked against SDPA in the same way (CUDA-even
 ``extra_info``).
 
 CPU threads: both sides run with ``SPECDEC_BENCH_THREADS`` torch threads (default 1). On a shared,
-oversubscribed machine every OpenMP parallel region waits for a descheduled worker thread (we saw
-a 1728-element softmax take 8 ms with 2 threads on a 2-core VM at load 3), which measures the
-scheduler rather than the op, and punishes whichever side launches more parallel ops.
+oversubscribed machine every OpenMP parallel region waits for a descheduled worker thread, which
+measures the scheduler rather than the op, and punishes whichever side launches more parallel ops.
 """
 
 from __future__ import annotations
@@ -105,9 +104,9 @@ def test_cpu_forward_pass(benchmark, impl, B, T, L, layout):
     q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L, layout=layout)
 
     # Only the last layer's output is kept (each is released when the next call returns), as a
-    # model consumes each one. (Keeping all of them alive made glibc return our per-call V
-    # scratch to the OS and fault it back in on every call: 2.5 x our time at B1-T1-L512 on an
-    # AMD EPYC VM, where the model's own decode step showed no such loss.)
+    # model consumes each one. (Keeping all of them alive makes glibc return our per-call V
+    # scratch to the OS and fault it back in on every call, which a model never does:
+    # docs/performance.md.)
     def ours():
         plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=k.shape[1])
         for _ in range(NUM_LAYERS):

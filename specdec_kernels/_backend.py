@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-# Re-exported: model.py, generation.py and matmul.py import these checks from here.
+# Re-exported for code written against this module before the checks had their own.
 from ._checks import DeviceCheckError, check_lengths_tensor, device_check, is_int, is_real  # noqa: F401
 
 BACKENDS = ("reference", "torch", "triton")

@@ -82,7 +82,8 @@ def check_generator_and_seed(generator: torch.Generator | None, seed: int | torc
 
 
 class DeviceCheckError(ValueError, RuntimeError):
-    """A value check made on the device (``torch._assert_async``) failed on a CPU tensor.
+    """A value check made on the device failed: `device_check` on a CPU tensor, or a flag the
+    decoding loops read in their one transfer per step (model logits with NaN or infinities).
 
     Subclasses both ``ValueError`` (bad input) and ``RuntimeError`` (what
     ``torch._assert_async`` raises on CPU), so callers may catch either.

@@ -364,4 +364,4 @@ def require_logit_rows(
             # max commutes with widening to float32, so the widening is done on [B, K] maxima only.
             checks.require((t.amax(-1).float() / divisor).isfinite() | ~read,
                            f"{name} has a row with NaN, +inf or only -inf (or so small a temperature that "
-                           "logits / temperature overflows); pass validate=False to skip this check")
+                           "logits / temperature overflows) " + _SKIP)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._backend import check_lengths_tensor, device_check, is_int
+from ._checks import check_lengths_tensor, device_check, is_int
 
 
 @dataclass

@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._backend import is_int, is_real
+from ._checks import is_int, is_real
 from ._model_calls import _check_model, _decoding_forward, _last_logits, _LogitsCheck, _new_cache, _use_cuda_graphs
+from ._sampling_checks import check_sampling_params
 from .drafts import PromptLookupDraft
-from .sampling import _check_sampling_params, rejection_sample_logits, sample_logits
+from .sampling import rejection_sample_logits, sample_logits
 
 # --------------------------------------------------------------------------- results
 
@@ -181,7 +182,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_
     # NumPy scalars become Python numbers (the samplers take Python ints and floats).
     temperature, top_p = (float(x) if is_real(x) and not isinstance(x, int) else x for x in (temperature, top_p))
     top_k = int(top_k) if is_int(top_k) else top_k
-    temperature = _check_sampling_params(temperature, top_k, top_p, B, input_ids.device)
+    temperature = check_sampling_params(temperature, top_k, top_p, B, input_ids.device)
     if seed is not None and not is_int(seed):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if seed is not None and not -(2**63) <= seed < 2**64:

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import is_int
+from ._checks import is_int
 
 
 def weight_first(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

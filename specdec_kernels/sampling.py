@@ -67,9 +67,6 @@ __all__ = [
     "sample_logits",
 ]
 
-# The name generation.py imports.
-_check_sampling_params = check_sampling_params
-
 _REJECTION_SAMPLE = Dispatch(
     reference="specdec_kernels.reference.sampling:rejection_sample",
     torch=rejection_sample_torch,

@@ -1,6 +1,7 @@
 """Reference speculative verification: one row at a time, as in Leviathan et al. 2022, Algorithm 1.
 
-Same signatures as `specdec_kernels.sampling` (without ``validate`` and ``backend``); slow on
+Same signatures as `specdec_kernels.sampling` (without ``validate`` and ``backend``; `rejection_sample`
+adds ``checks=``, the values it read for the op's validation); slow on
 purpose (Python loops over rows and positions, host reads everywhere). The random inputs come from
 `RejectionNoise`, so a fast path that consumes the same noise must produce the same tokens.
 
