@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import as_float32, device_check, is_int
+from ._backend import as_float32, device_check, is_int, is_real
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
 from .matmul import Linear, MatmulPlan, measured_matmul_plan
@@ -48,18 +50,42 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        """Check every field before anything is built from it: a size of 0 or a negative ``rms_norm_eps``
+        would otherwise surface as a ``ZeroDivisionError`` or as NaN logits.
+
+        Raises:
+            TypeError: a field of the wrong type (a string, a float size, a bool), naming it.
+            ValueError: a value out of range or sizes that contradict each other, naming them.
+        """
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            _check_positive(name, getattr(self, name), integer=True)
         if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                                 f"({self.num_attention_heads}) when head_dim is not given")
             self.head_dim = self.hidden_size // self.num_attention_heads
+        _check_positive("head_dim", self.head_dim, integer=True)
+        if self.head_dim % 2:  # rotary embeddings rotate the two halves of each head against each other
+            raise ValueError(f"head_dim must be even, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
-        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
+        for name in ("rms_norm_eps", "rope_theta"):
+            _check_positive(name, getattr(self, name), integer=False)
+            setattr(self, name, float(getattr(self, name)))
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise TypeError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        _check_rope_scaling(self.rope_scaling)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> LlamaConfig:
-        """From a ``transformers`` LlamaConfig (or its ``to_dict()``), old and new rope layouts alike."""
+        """From a ``transformers`` LlamaConfig (or its ``to_dict()``), old and new rope layouts alike.
+
+        Raises:
+            TypeError, ValueError: a value `LlamaConfig` refuses, or a variant this decoder does not
+                compute (another model type, biases, another activation).
+        """
         d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         if d.get("model_type", "llama") not in ("llama", "mistral"):
             raise ValueError(f"expected a Llama-family config, got model_type={d.get('model_type')!r}")
@@ -69,18 +95,53 @@ class LlamaConfig:
                 raise ValueError(f"{key}=True is not supported (the built-in Llama has no biases)")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (the built-in Llama uses silu)")
-        # Sliding-window attention equals full attention up to the window: cap the context there
-        # (Mistral-7B-v0.1: window 4096 of 32768), so `generate` refuses longer sequences.
-        window = d.get("sliding_window")
-        if window is not None and window < d.get("max_position_embeddings", 2048):
-            d = {**d, "max_position_embeddings": window}
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise TypeError(f"rope_scaling must be a dict or null, got {rope!r}")
+        rope = dict(rope)
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
         known = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
-        return cls(**{k: v for k, v in d.items() if k in known}, rope_theta=float(theta),
-                   rope_scaling=rope or None)
+        config = cls(**{k: v for k, v in d.items() if k in known}, rope_theta=theta, rope_scaling=rope or None)
+        # Sliding-window attention equals full attention up to the window: cap the context there
+        # (Mistral-7B-v0.1: window 4096 of 32768), so `generate` refuses longer sequences.
+        window = d.get("sliding_window")
+        if window is not None:
+            _check_positive("sliding_window", window, integer=True)
+            config.max_position_embeddings = min(config.max_position_embeddings, window)
+        return config
+
+
+def _check_positive(name: str, value: Any, *, integer: bool) -> None:
+    """Raise unless ``value`` is a positive int (``integer``) or a positive finite real number."""
+    kind = "int" if integer else "finite number"
+    if not (is_int(value) if integer else is_real(value)):
+        raise TypeError(f"{name} must be a positive {kind}, got {value!r} ({type(value).__name__})")
+    if not (value > 0 and (integer or math.isfinite(value))):
+        raise ValueError(f"{name} must be a positive {kind}, got {value!r}")
+
+
+# The numbers each supported rope_scaling type needs (`rope_inverse_frequencies` divides by each).
+_ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise TypeError(f"rope_scaling must be a dict or None, got {scaling!r}")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in _ROPE_SCALING_KEYS:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
+    for key in _ROPE_SCALING_KEYS[rope_type]:
+        if key not in scaling:
+            raise ValueError(f"rope_scaling of type {rope_type!r} needs {key!r}, got {scaling!r}")
+        _check_positive(f"rope_scaling[{key!r}]", scaling[key], integer=False)
+    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError(f"rope_scaling's high_freq_factor ({scaling['high_freq_factor']}) must exceed its "
+                         f"low_freq_factor ({scaling['low_freq_factor']})")
 
 
 class RMSNorm(nn.Module):
@@ -438,30 +499,48 @@ class Llama(nn.Module):
     # ----------------------------------------------------------------- loading Hugging Face weights
 
     @classmethod
-    def from_pretrained(cls, source: str | Path | nn.Module, *, dtype: torch.dtype = torch.float32,
+    def from_pretrained(cls, source: str | os.PathLike | nn.Module, *, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu") -> Llama:
         """Load Hugging Face Llama weights.
+
+        The config's values are checked before anything is built (`LlamaConfig`), and every tensor
+        of the source must belong to the model the config describes, exactly once, with the shape
+        the config implies (`check_hf_state`): weights that contradict their config are an error,
+        never a model that computes something else.
 
         Args:
             source: a folder with ``config.json`` and ``*.safetensors`` (Hugging Face layout), or a
                 loaded ``transformers`` ``LlamaForCausalLM``.
-            dtype, device: where the weights go.
-        """
-        if isinstance(source, nn.Module):
-            config = LlamaConfig.from_hf(source.config)
-            state = source.state_dict()
-        else:
-            folder = Path(source)
-            if not (folder / "config.json").is_file():
-                raise ValueError(f"source must be a folder with config.json and *.safetensors, got {folder}")
-            from safetensors.torch import load_file
+            dtype: floating-point ``torch.dtype`` of the weights.
+            device: where the weights go.
 
-            config = LlamaConfig.from_hf(json.loads((folder / "config.json").read_text()))
-            state = {}
-            for shard in sorted(folder.glob("*.safetensors")):
-                state.update(load_file(shard))
-            if not state:
-                raise ValueError(f"no *.safetensors weights in {folder}")
+        Raises:
+            TypeError: ``source`` is neither a folder path nor a module with a ``transformers``
+                config, ``dtype`` is not a floating-point ``torch.dtype``, or a config value has
+                the wrong type (the message names the key and ``config.json``'s path).
+            ValueError: ``config.json`` is missing or not valid JSON, a config value is out of
+                range, no ``*.safetensors`` file is there or one is not valid (empty, truncated,
+                corrupt), or a tensor is missing, unused, in two files, or of the wrong shape or
+                dtype (the message names the tensor and its file).
+            OSError: a file cannot be read (the message names it).
+        """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float16, got {dtype!r}")
+        device = torch.device(device)
+        if isinstance(source, nn.Module):
+            if not hasattr(getattr(source, "config", None), "to_dict"):
+                raise TypeError(f"source must be a transformers LlamaForCausalLM or a folder, got a "
+                                f"{type(source).__name__} without a transformers config")
+            config, state = LlamaConfig.from_hf(source.config), source.state_dict()
+            origin = f"the {type(source).__name__}"
+            files, config_where = dict.fromkeys(state, f"{origin}'s state_dict"), f"{origin}'s config"
+        elif isinstance(source, (str, os.PathLike)):
+            config, state, files = _read_hf_folder(Path(source))
+            config_where = str(Path(source) / "config.json")
+        else:
+            raise TypeError("source must be a folder (a str or os.PathLike) with config.json and *.safetensors, "
+                            f"or a loaded transformers LlamaForCausalLM, got {source!r}")
+        state = check_hf_state(state, config, files, config_where)
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(hf_to_internal(state, config), assign=True, strict=True)
@@ -481,11 +560,162 @@ class Llama(nn.Module):
         save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
 
 
+def _read_hf_folder(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, str]]:
+    """The config and tensors of a Hugging Face folder, and the file each tensor came from. A file
+    that cannot be read or parsed, and a tensor in two files, are errors naming the files."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"source must be a folder with config.json and *.safetensors, got {folder}")
+    try:
+        hf_config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise OSError(f"cannot read {path}: {e}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e}): restore it or download it again") from e
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(hf_config).__name__}")
+    try:
+        config = LlamaConfig.from_hf(hf_config)
+    except (TypeError, ValueError) as e:
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(f"{path}: {e}") from e
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state, files = {}, {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        try:
+            tensors = load_file(shard)
+        except SafetensorError as e:
+            raise ValueError(f"{shard} is not a valid safetensors file ({e}): it is empty, truncated or "
+                             "corrupt; download or convert it again") from e
+        except OSError as e:
+            raise OSError(f"cannot read {shard}: {e}") from e
+        for name, tensor in tensors.items():
+            if name in files:
+                raise ValueError(f"{name} is in two files, {files[name]} and {shard}: a tensor may be in only "
+                                 "one (is one of them a stale copy?)")
+            state[name], files[name] = tensor, str(shard)
+    if not state:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    return config, state, files
+
+
+# The tensors of each layer in a Hugging Face checkpoint, with their shapes in config fields.
+_HF_LAYER_SHAPES = {
+    "self_attn.q_proj.weight": ("num_attention_heads * head_dim", "hidden_size"),
+    "self_attn.k_proj.weight": ("num_key_value_heads * head_dim", "hidden_size"),
+    "self_attn.v_proj.weight": ("num_key_value_heads * head_dim", "hidden_size"),
+    "self_attn.o_proj.weight": ("hidden_size", "num_attention_heads * head_dim"),
+    "mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
+    "input_layernorm.weight": ("hidden_size",),
+    "post_attention_layernorm.weight": ("hidden_size",),
+}
+# Rotary frequencies that old transformers versions saved in each layer: ignored (they follow
+# from rope_theta and head_dim), as transformers ignores them, but checked for their shape.
+_HF_INV_FREQ = "self_attn.rotary_emb.inv_freq"
+
+
+def hf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
+    """Every tensor a Hugging Face checkpoint of ``config`` holds (named as in
+    ``LlamaForCausalLM.state_dict()``), with its shape as products of config fields, e.g.
+    ``("num_key_value_heads * head_dim", "hidden_size")``; ``lm_head.weight`` only when the
+    embeddings are not tied."""
+    shapes = {"model.embed_tokens.weight": ("vocab_size", "hidden_size"), "model.norm.weight": ("hidden_size",)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = ("vocab_size", "hidden_size")
+    for i in range(config.num_hidden_layers):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in _HF_LAYER_SHAPES.items()})
+    return shapes
+
+
+def _size(config: LlamaConfig, expression: str) -> int:
+    """The size a shape expression of `hf_tensor_shapes` names: config fields joined by ``" * "``,
+    optionally followed by ``" / 2"``."""
+    product, _, divisor = expression.partition(" / ")
+    return math.prod(getattr(config, name) for name in product.split(" * ")) // int(divisor or 1)
+
+
+def _listed(names: list[str], files: dict[str, str] | None = None, most: int = 3) -> str:
+    """``names`` for an error message: the first ``most``, and the files they are in when ``files`` is given."""
+    listed = ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+    return listed + (f" (in {', '.join(sorted({files[n] for n in names}))})" if files else "")
+
+
+def _layers_hint(names: Any, config: LlamaConfig, config_where: str) -> str:
+    """Where the layers the weights hold differ from ``num_hidden_layers``, a sentence that says so."""
+    held = sorted({int(m[1]) for name in names if (m := re.match(r"model\.layers\.(\d+)\.", name))})
+    if held == list(range(config.num_hidden_layers)):
+        return ""
+    span = f"0-{len(held) - 1}" if held == list(range(len(held))) else ", ".join(map(str, held))
+    return (f"; the weights hold {len(held)} layers ({span}) and {config_where} says "
+            f"num_hidden_layers={config.num_hidden_layers}")
+
+
+def check_hf_state(state: dict[str, torch.Tensor], config: LlamaConfig, files: dict[str, str] | None = None,
+                   config_where: str = "the config") -> dict[str, torch.Tensor]:
+    """``state`` (a Hugging Face ``LlamaForCausalLM`` state dict) keyed by the names of
+    `hf_tensor_shapes`, after checking that it holds every one of those tensors once, with the
+    shape ``config`` implies and a floating-point dtype, and nothing else. Names without the
+    ``model.`` prefix (a ``LlamaModel``'s) count as with it. With tied embeddings an
+    ``lm_head.weight`` may be there if it equals ``model.embed_tokens.weight``.
+
+    Args:
+        files: where each tensor came from, for the error messages.
+        config_where: where ``config`` came from (``config.json``'s path), for the messages.
+
+    Raises:
+        ValueError: a tensor is missing, unused, there under two names, or of the wrong shape or
+            dtype; the message names the tensor and its file.
+    """
+    files = files or dict.fromkeys(state, "the state dict")
+    named: dict[str, str] = {}  # name as in `hf_tensor_shapes` -> name in ``state``
+    for name in state:
+        key = name if name.startswith("model.") or name == "lm_head.weight" else f"model.{name}"
+        if key in named:
+            raise ValueError(f"{named[key]} (in {files[named[key]]}) and {name} (in {files[name]}) are the same "
+                             "tensor under two names: a tensor may be there only once")
+        named[key] = name
+    expected = hf_tensor_shapes(config)
+    optional = {f"model.layers.{i}.{_HF_INV_FREQ}": ("head_dim / 2",) for i in range(config.num_hidden_layers)}
+    if config.tie_word_embeddings:
+        optional["lm_head.weight"] = ("vocab_size", "hidden_size")
+    hint = _layers_hint(named, config, config_where)
+    missing = [key for key in expected if key not in named]
+    if missing:
+        if "lm_head.weight" in missing:
+            hint += ("; if the LM head is the input embedding (tied), set tie_word_embeddings to true in "
+                     f"{config_where}")
+        raise ValueError(f"missing tensors: {_listed(missing)}; {config_where} implies them{hint}")
+    unused = [named[key] for key in named if key not in expected and key not in optional]
+    if unused:
+        raise ValueError(f"unused tensors: {_listed(unused, files)}; every tensor must belong to the model "
+                         f"{config_where} describes{hint}")
+    for key, name in named.items():
+        tensor, shape = state[name], {**expected, **optional}[key]
+        sizes = tuple(_size(config, expression) for expression in shape)
+        if tuple(tensor.shape) != sizes:
+            raise ValueError(f"{name} (in {files[name]}) has shape {tuple(tensor.shape)}, but {config_where} "
+                             f"implies {sizes} = ({', '.join(shape)})")
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name} (in {files[name]}) has dtype {tensor.dtype}; the built-in Llama loads "
+                             "floating-point weights only")
+    if "lm_head.weight" in named and config.tie_word_embeddings:
+        name = named["lm_head.weight"]
+        if not torch.equal(state[name], state[named["model.embed_tokens.weight"]]):
+            raise ValueError(f"{name} (in {files[name]}) differs from the input embedding, but {config_where} "
+                             "ties them (tie_word_embeddings=true): set it to false to use this LM head")
+    return {key: state[name] for key, name in named.items()}
+
+
 def hf_to_internal(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Map a Hugging Face ``LlamaForCausalLM`` state dict onto `Llama`'s (fusing qkv and gate/up)."""
+    """Map a Hugging Face ``LlamaForCausalLM`` state dict (checked by `check_hf_state`) onto
+    `Llama`'s, fusing qkv and gate/up."""
     state = {k.removeprefix("model."): v for k, v in state.items()}
+    head = state["embed_tokens.weight"] if config.tie_word_embeddings else state["lm_head.weight"]
     out = {"tok_embeddings.weight": state["embed_tokens.weight"], "norm.weight": state["norm.weight"],
-           "output.weight": state.get("lm_head.weight", state["embed_tokens.weight"])}
+           "output.weight": head}
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
         attn = [state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]

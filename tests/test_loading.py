@@ -1,0 +1,215 @@
+"""Loading checks: `Llama.from_pretrained` accounts for every tensor exactly once, checks each
+shape and the config's values, and names the file and the tensor or key in every error."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec_kernels.model import Llama, LlamaConfig
+
+from tiny_models import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A saved two-layer model (hidden 64, 4 heads, 2 KV heads, head_dim 16, vocabulary 97)."""
+    folder = tmp_path_factory.mktemp("checkpoint")
+    tiny_llama(seed=1).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def folder(checkpoint, tmp_path) -> Path:
+    """A copy of `checkpoint` to break."""
+    for path in checkpoint.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    return tmp_path
+
+
+def edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def edit_weights(folder: Path, change) -> None:
+    """Rewrite model.safetensors with ``change(tensors)`` applied (a dict of name -> tensor)."""
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+# ---------------------------------------------------------------- config values, checked before building
+
+CONFIG_CASES = {
+    # change, exception, what the message says (after config.json's path)
+    "one-layer-of-two": (dict(num_hidden_layers=1), ValueError,
+                         r"unused tensors: model\.layers\.1\..*model\.safetensors.*hold 2 layers \(0-1\).*"
+                         r"num_hidden_layers=1"),
+    "three-layers-of-two": (dict(num_hidden_layers=3), ValueError,
+                            r"missing tensors: model\.layers\.2\.self_attn\.q_proj\.weight.*num_hidden_layers=3"),
+    "eps-negative": (dict(rms_norm_eps=-1), ValueError, "rms_norm_eps must be a positive finite number, got -1"),
+    "eps-nan": (dict(rms_norm_eps=math.nan), ValueError, "rms_norm_eps must be a positive finite number, got nan"),
+    "theta-negative": (dict(rope_theta=-5), ValueError, "rope_theta must be a positive finite number, got -5"),
+    "theta-inf": (dict(rope_theta=math.inf), ValueError, "rope_theta must be a positive finite number, got inf"),
+    "kv-heads-0": (dict(num_key_value_heads=0), ValueError, "num_key_value_heads must be a positive int, got 0"),
+    "kv-heads-3-of-4": (dict(num_key_value_heads=3), ValueError,
+                        r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    "vocab-str": (dict(vocab_size="97"), TypeError, r"vocab_size must be a positive int, got '97' \(str\)"),
+    "layers-float": (dict(num_hidden_layers=2.0), TypeError, r"num_hidden_layers must be a positive int, got 2\.0"),
+    "intermediate-0": (dict(intermediate_size=0), ValueError, "intermediate_size must be a positive int, got 0"),
+    "hidden-not-heads-multiple": (dict(hidden_size=66, head_dim=None), ValueError,
+                                  r"hidden_size \(66\) must be a multiple of num_attention_heads \(4\)"),
+    "head-dim-odd": (dict(head_dim=15), ValueError, "head_dim must be even, got 15"),
+    "tie-str": (dict(tie_word_embeddings="yes"), TypeError, "tie_word_embeddings must be a bool"),
+    "rope-scaling-str": (dict(rope_scaling="linear"), TypeError, "rope_scaling must be a dict or null"),
+    "llama3-without-factor": (dict(rope_scaling={"rope_type": "llama3", "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": 64}),
+                              ValueError, "rope_scaling of type 'llama3' needs 'factor'"),
+    "window-str": (dict(sliding_window="16"), TypeError, "sliding_window must be a positive int"),
+}
+
+
+@pytest.mark.parametrize("change,error,match", list(CONFIG_CASES.values()), ids=list(CONFIG_CASES))
+def test_a_config_that_contradicts_the_weights_or_itself_is_refused_naming_the_key_and_file(
+        folder, change, error, match):
+    edit_config(folder, **change)
+    with pytest.raises(error, match=str(folder / "config.json")) as raised:
+        Llama.from_pretrained(folder)
+    assert raised.match(match)
+
+
+def test_shapes_are_checked_against_the_config_naming_the_tensor_expected_and_actual_shape(folder):
+    """One KV head of 16 where the weights have two: k_proj is [32, 64], the config implies [16, 64]."""
+    edit_config(folder, num_key_value_heads=1)
+    with pytest.raises(ValueError) as raised:
+        Llama.from_pretrained(folder)
+    assert str(raised.value) == (
+        f"model.layers.0.self_attn.k_proj.weight (in {folder / 'model.safetensors'}) has shape (32, 64), but "
+        f"{folder / 'config.json'} implies (16, 64) = (num_key_value_heads * head_dim, hidden_size)")
+
+
+def test_config_values_are_checked_when_a_config_is_built():
+    with pytest.raises(ValueError, match="rms_norm_eps must be a positive finite number"):
+        LlamaConfig(97, 64, 144, 2, 4, 2, rms_norm_eps=0.0)
+    with pytest.raises(TypeError, match="hidden_size must be a positive int"):
+        LlamaConfig(97, True, 144, 2, 4, 2)
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        LlamaConfig(97, 64, 144, 2, 4, 2, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64})
+
+
+# ---------------------------------------------------------------- every tensor exactly once
+
+
+def test_a_tensor_in_two_shards_names_both_files(folder):
+    """An extra shard holding the embedding silently overrode the real one."""
+    save_file({"model.embed_tokens.weight": torch.zeros(97, 64)}, str(folder / "stale.safetensors"))
+    with pytest.raises(ValueError, match=rf"model\.embed_tokens\.weight is in two files, "
+                                         rf"{folder / 'model.safetensors'} and {folder / 'stale.safetensors'}"):
+        Llama.from_pretrained(folder)
+
+
+def test_an_unused_tensor_is_refused_naming_its_file(folder):
+    extra = folder / "extra.safetensors"
+    save_file({"model.extra.weight": torch.zeros(3)}, str(extra))
+    with pytest.raises(ValueError, match=rf"unused tensors: model\.extra\.weight \(in {extra}\)"):
+        Llama.from_pretrained(folder)
+
+
+def test_a_tensor_under_two_names_is_refused(folder):
+    edit_weights(folder, lambda t: t.update({"norm.weight": t["model.norm.weight"].clone()}))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight .* and norm\.weight .* the same tensor under two names"):
+        Llama.from_pretrained(folder)
+
+
+def test_a_missing_tensor_is_named(folder):
+    edit_weights(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight; "):
+        Llama.from_pretrained(folder)
+
+
+def test_an_untied_config_without_lm_head_says_to_tie(folder):
+    """Without lm_head.weight an untied config used the embedding as the LM head without a word."""
+    edit_weights(folder, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors: lm_head\.weight;.*set tie_word_embeddings to true"):
+        Llama.from_pretrained(folder)
+
+
+def test_integer_weights_are_refused(folder):
+    edit_weights(folder, lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)}))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight .* has dtype torch\.int8"):
+        Llama.from_pretrained(folder)
+
+
+def test_tied_embeddings_load_with_or_without_an_equal_lm_head_and_refuse_a_different_one(tmp_path):
+    model = tiny_llama(seed=2, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    ids = torch.randint(0, 97, (2, 5))
+    expected = model(ids, model.new_cache(2, 5))
+    for lm_head in ("absent", "equal"):
+        if lm_head == "equal":
+            edit_weights(tmp_path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+        loaded = Llama.from_pretrained(tmp_path)
+        assert loaded.output.weight is loaded.tok_embeddings.weight
+        torch.testing.assert_close(loaded(ids, loaded.new_cache(2, 5)), expected, rtol=0, atol=0)
+    edit_weights(tmp_path, lambda t: t["lm_head.weight"].mul_(2))
+    with pytest.raises(ValueError, match=r"lm_head\.weight .* differs from the input embedding.*tie_word_embeddings"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_names_without_the_model_prefix_and_old_rotary_frequencies_load(folder):
+    """A LlamaModel's names (no ``model.``) and the ``rotary_emb.inv_freq`` buffers old transformers
+    versions saved load as before."""
+    def rename(tensors):
+        for name in [n for n in tensors if n.startswith("model.")]:
+            tensors[name.removeprefix("model.")] = tensors.pop(name)
+        tensors["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+
+    reference = Llama.from_pretrained(folder)
+    edit_weights(folder, rename)
+    loaded = Llama.from_pretrained(folder)
+    for (name, expected), (_, actual) in zip(reference.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(actual, expected), name
+    edit_weights(folder, lambda t: t.update({"layers.0.self_attn.rotary_emb.inv_freq": torch.ones(9)}))
+    with pytest.raises(ValueError, match=r"inv_freq .* has shape \(9,\), but .* implies \(8,\) = \(head_dim / 2\)"):
+        Llama.from_pretrained(folder)
+
+
+# ---------------------------------------------------------------- broken files and bad arguments
+
+BROKEN_FILES = {
+    "weights-empty": ("model.safetensors", lambda b: b""),
+    "weights-truncated": ("model.safetensors", lambda b: b[: len(b) // 2]),
+    "weights-garbage": ("model.safetensors", lambda b: b"\x07" * 64),
+    "config-not-json": ("config.json", lambda b: b"{\"vocab_size\": 97,"),
+    "config-not-utf8": ("config.json", lambda b: b"\xff\xfe{}"),
+    "config-a-list": ("config.json", lambda b: b"[]"),
+}
+
+
+@pytest.mark.parametrize("name,corrupt", list(BROKEN_FILES.values()), ids=list(BROKEN_FILES))
+def test_a_broken_file_is_named_with_what_is_wrong(folder, name, corrupt):
+    path = folder / name
+    path.write_bytes(corrupt(path.read_bytes()))
+    what = "is not a valid safetensors file" if name == "model.safetensors" else "(is not valid JSON|must hold a JSON)"
+    with pytest.raises(ValueError, match=f"{path} {what}"):
+        Llama.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("source,kwargs,match", [
+    (None, {}, "source must be a folder .* or a loaded transformers LlamaForCausalLM, got None"),
+    (5, {}, "source must be a folder .*, got 5"),
+    (torch.nn.Linear(2, 2), {}, "source must be a transformers LlamaForCausalLM or a folder, got a Linear"),
+    ("checkpoint", dict(dtype="float16"), "dtype must be a floating-point torch.dtype .*, got 'float16'"),
+    ("checkpoint", dict(dtype=torch.int8), "dtype must be a floating-point torch.dtype .*, got torch.int8"),
+], ids=["source-none", "source-int", "source-module-without-config", "dtype-str", "dtype-int"])
+def test_bad_arguments_raise_type_errors(checkpoint, source, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        Llama.from_pretrained(checkpoint if source == "checkpoint" else source, **kwargs)
