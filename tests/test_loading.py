@@ -1,17 +1,23 @@
 """Loading checks: `Llama.from_pretrained` accounts for every tensor exactly once, checks each
-shape and the config's values, and names the file and the tensor or key in every error."""
+shape and the config's values, and names the file and the tensor or key in every error; the
+converted SmolLM2 cache is verified at every use, converted again when broken, and readable by
+other users."""
 
 import json
 import math
+import stat
 from pathlib import Path
 
 import pytest
+import test_packaging
 import torch
 from safetensors.torch import load_file, save_file
 
 from specdec_kernels.model import Llama, LlamaConfig
 
 from tiny_models import tiny_llama
+
+stub_conversion = test_packaging.stub_conversion  # the SmolLM2 conversion with its slow parts stubbed
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +219,58 @@ def test_a_broken_file_is_named_with_what_is_wrong(folder, name, corrupt):
 def test_bad_arguments_raise_type_errors(checkpoint, source, kwargs, match):
     with pytest.raises(TypeError, match=match):
         Llama.from_pretrained(checkpoint if source == "checkpoint" else source, **kwargs)
+
+
+# ---------------------------------------------------------------- the converted SmolLM2 cache
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten", "without-manifest", "tokenizer-missing"])
+def test_a_broken_converted_folder_is_converted_again(stub_conversion, monkeypatch, tmp_path, damage):
+    """Checking only that the files existed kept a truncated or overwritten model forever."""
+    from specdec_kernels.pretrained import smollm2_folder
+
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path / "cache"))
+    folder = smollm2_folder()
+    weights = folder / "model.safetensors"
+    intact = weights.read_bytes()
+    if damage == "truncated":
+        weights.write_bytes(intact[:-100])
+    elif damage == "overwritten":  # same size
+        weights.write_bytes(intact[:-100] + bytes(100))
+    elif damage == "without-manifest":  # a conversion by an older version, or one that did not finish
+        next(p for p in folder.iterdir() if "manifest" in p.name).unlink()
+    else:
+        (folder / "tokenizer.json").unlink()
+    assert smollm2_folder() == folder and len(stub_conversion) == 2
+    assert len(weights.read_bytes()) == len(intact) and Llama.from_pretrained(folder).config.vocab_size == 32
+    assert smollm2_folder() == folder and len(stub_conversion) == 2  # intact again: not converted a third time
+
+
+def test_the_converted_folder_is_readable_by_other_users(stub_conversion, monkeypatch, tmp_path):
+    """tempfile.mkdtemp made the folder 0700, so another user of a shared cache got PermissionError."""
+    from specdec_kernels.pretrained import smollm2_folder
+
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path / "cache"))
+    folder = smollm2_folder()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == dict.fromkeys(
+        [p.name for p in folder.iterdir()], 0o644)
+
+
+def test_the_digest_of_a_large_file_covers_its_header_and_samples_of_its_data(tmp_path):
+    """Weights above the whole-file limit are hashed in part; damage to the header or to a large
+    region (a never-written tail) still changes the digest, as does a different size."""
+    from specdec_kernels.pretrained import _HASHED_WHOLE, _digest
+
+    path = tmp_path / "big.safetensors"
+    header = b'{"__metadata__":{}}'
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (_HASHED_WHOLE + 12345,), dtype=torch.uint8, generator=generator)
+    intact = len(header).to_bytes(8, "little") + header + data.numpy().tobytes()
+    path.write_bytes(intact)
+    digest = _digest(path)
+    for damaged in (intact[:10] + b"X" + intact[11:],                                  # the header
+                    intact[: len(intact) // 2] + bytes(len(intact) - len(intact) // 2),  # the second half zeroed
+                    intact[:-1] + bytes([intact[-1] ^ 1])):                             # the last byte
+        path.write_bytes(damaged)
+        assert _digest(path) != digest

@@ -1,6 +1,7 @@
 """End-to-end checks on the real SmolLM2-135M-Instruct weights (skipped when not installed)."""
 
 import importlib.util
+import stat
 
 import pytest
 import torch
@@ -44,6 +45,17 @@ def test_tokenizer_special_tokens_are_the_gguf_files(smollm2):
     expected = gguf_special_token_ids(smollm2_gguf())
     assert {role: getattr(tokenizer, f"{role}_id") for role in expected} == expected
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_the_converted_folder_matches_its_manifest_and_is_readable_by_every_user(smollm2):
+    """The weights' digest covers their header and samples of the data (`_digest`); a shared cache
+    needs folder 0755 and files 0644."""
+    from specdec_kernels.pretrained import MANIFEST, _is_intact, smollm2_folder
+
+    folder = smollm2_folder()
+    assert (folder / MANIFEST).is_file() and _is_intact(folder)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {0o644}
 
 
 @pytest.fixture(params=["unpacked", "packed"])
