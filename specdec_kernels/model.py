@@ -14,10 +14,13 @@ Rolling back rejected tokens is ``cache.crop(lengths)``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -264,6 +267,83 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class WeightsLock:
+    """Shared by forward passes, exclusive for changes of the weights' layout (`Llama.pack_weights`).
+
+    Forward passes in several threads run together. A layout change waits until the running ones
+    have returned and holds new ones back meanwhile; when it is done, the forwards that waited for
+    it go before the next change: neither a stream of forwards nor a stream of changes starves the
+    other. A thread may take the lock again while it holds it (shared in shared, anything in
+    exclusive); a layout change inside a forward of the same model is refused, as it could never
+    get the lock. Copies and pickles of a model get a new lock (a model and its drafts copied
+    together share theirs).
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._shared = 0                 # shared holds, by all threads
+        self._owner: int | None = None   # the thread holding it exclusively
+        self._exclusive = 0              # that thread's holds
+        self._waiting_exclusive = 0      # threads waiting to hold it exclusively
+        self._waiting_shared = 0         # threads waiting to hold it shared
+        self._turn_of_shared = False     # set by an exclusive release: those waiting to share go first
+        self._held = threading.local()   # .shared: this thread's shared holds
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        held = self._held
+        with self._condition:
+            if not getattr(held, "shared", 0) and self._owner != threading.get_ident():
+                self._waiting_shared += 1
+                try:
+                    while self._owner is not None or (self._waiting_exclusive and not self._turn_of_shared):
+                        self._condition.wait()
+                finally:  # (also when interrupted: a count left behind would block the others for good)
+                    self._waiting_shared -= 1
+                    if not self._waiting_shared:
+                        self._turn_of_shared = False
+                        self._condition.notify_all()
+            held.shared = getattr(held, "shared", 0) + 1
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                held.shared -= 1
+                self._shared -= 1
+                if not self._shared:
+                    self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._condition:
+            if self._owner != me:
+                if getattr(self._held, "shared", 0):
+                    raise RuntimeError("the weights' layout cannot change inside a forward pass of the same model")
+                self._waiting_exclusive += 1
+                try:
+                    while self._owner is not None or self._shared or self._turn_of_shared:
+                        self._condition.wait()
+                finally:
+                    self._waiting_exclusive -= 1
+                    self._condition.notify_all()
+                self._owner = me
+            self._exclusive += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._exclusive -= 1
+                if not self._exclusive:
+                    self._owner = None
+                    self._turn_of_shared = self._waiting_shared > 0
+                    self._condition.notify_all()
+
+
 class Llama(nn.Module):
     """Llama-family causal LM following the package's model protocol (see the module docstring)."""
 
@@ -277,6 +357,12 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self._inv_freq: torch.Tensor | None = None  # fp32 whatever the weights' dtype; see rope_angles
+        self.weights_lock = WeightsLock()  # see pack_weights
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "weights_lock" not in self.__dict__:  # pickled before models had one
+            self.weights_lock = WeightsLock()
 
     def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, T, 1, D/2] (float32) of the rotary angles at ``positions`` [B, T].
@@ -329,6 +415,11 @@ class Llama(nn.Module):
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
             meaningless values.
         """
+        with self.weights_lock.shared():
+            return self._forward(input_ids, cache, q_seqlens, last_only, num_tokens, max_seqlen, min_seqlen)
+
+    def _forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None, last_only: bool,
+                 num_tokens: int | None, max_seqlen: int | None, min_seqlen: int | None) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -402,6 +493,7 @@ class Llama(nn.Module):
         draft.tok_embeddings, draft.norm, draft.output = self.tok_embeddings, self.norm, self.output
         draft.layers = nn.ModuleList(self.layers[:num_layers])
         draft._inv_freq = None
+        draft.weights_lock = self.weights_lock  # the layers are shared, and so is their layout
         return draft
 
     def can_pack_weights(self) -> bool:
@@ -453,11 +545,20 @@ class Llama(nn.Module):
         (``pack_weights(False)`` on a draft undoes it for the target too). Nothing is changed if
         any weight cannot follow the plan.
 
+        Thread safety: a forward pass reads the weights in their layout throughout, so this method
+        (a layout change) waits for the forward passes running in other threads, of this model and
+        of the drafts that share its layers (`truncated`), and holds back new ones until it is
+        done: a generation running meanwhile goes on with the new layout from its next forward
+        pass, with the same logits up to the last bits (see above). Forward passes still run
+        together. The lock is ``weights_lock`` (a `WeightsLock`); hold
+        ``model.weights_lock.exclusive()`` to change weights in place while other threads generate.
+
         Raises:
             ValueError: a weight is not a CPU float32 tensor, ``plan`` is not a `MatmulPlan`, or a
                 plan is given with ``enable=False``.
             RuntimeError: ``plan`` has a packed form this torch build lacks
-                (`specdec_kernels.matmul.PACKED_FORMS`).
+                (`specdec_kernels.matmul.PACKED_FORMS`), or this method is called inside a forward
+                pass of the same model (a hook's).
         """
         layers = {name: module for name, module in self.named_modules() if isinstance(module, Linear)}
         if plan is not None and not isinstance(plan, MatmulPlan):
@@ -465,18 +566,20 @@ class Llama(nn.Module):
         if not enable:
             if plan is not None:
                 raise ValueError("plan must be None with enable=False (which stores the weights as loaded)")
-            for layer in layers.values():
-                layer.unpack()
+            with self.weights_lock.exclusive():
+                for layer in layers.values():
+                    layer.unpack()
             return self
         for name, layer in layers.items():
             try:
                 layer.check_packable(plan)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
-        if plan is None:
+        if plan is None:  # measured while forwards may run: it reads the weights, changes nothing
             plan = measured_matmul_plan(self._matmul_sample())
-        for layer in layers.values():
-            layer.pack(plan)
+        with self.weights_lock.exclusive():
+            for layer in layers.values():
+                layer.pack(plan)
         return self
 
     def _matmul_sample(self, budget: int = 256 << 20) -> list[torch.Tensor]:

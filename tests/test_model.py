@@ -527,6 +527,94 @@ def test_can_pack_weights_says_whether_pack_weights_would_pack(monkeypatch):
     assert not measure_matmul_plan([torch.randn(8, 4)], row_counts=(1, 2), repeats=1).packed_forms
 
 
+def test_pack_weights_in_another_thread_while_generate_runs_leaves_the_tokens_unchanged():
+    """A layout change re-stores each weight in place: a forward running meanwhile in another
+    thread read weights half re-stored (logits off by up to 1e36). Forwards and layout changes
+    now take turns (`WeightsLock`), so the tokens are those of either layout alone."""
+    import threading
+
+    from specdec_kernels import generate
+
+    model = tiny_llama(seed=2, scale=4.0, hidden=256)
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(0))
+    input_major = MatmulPlan(input_major=True, forms=((1, "linear"),))  # a layout change on every build
+    expected = generate(model, ids, max_new_tokens=32, temperature=0).tokens
+    assert torch.equal(generate(model.pack_weights(plan=input_major), ids, max_new_tokens=32, temperature=0).tokens,
+                       expected)
+    stop, errors, changes = threading.Event(), [], []
+
+    def change_layouts():
+        try:
+            while not stop.is_set():
+                model.pack_weights(False).pack_weights(plan=input_major)
+                changes.append(2)
+        except Exception as e:  # raised in the main thread below
+            errors.append(e)
+
+    thread = threading.Thread(target=change_layouts)
+    thread.start()
+    try:
+        outputs = [generate(model, ids, max_new_tokens=32, temperature=0).tokens for _ in range(3)]
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors and changes
+    for tokens in outputs:
+        assert torch.equal(tokens, expected)
+
+
+def test_weights_lock_is_shared_by_forwards_and_exclusive_for_layout_changes():
+    import threading
+
+    from specdec_kernels.model import WeightsLock
+
+    lock, entered, release = WeightsLock(), [], threading.Event()
+
+    def hold(kind):
+        with getattr(lock, kind)():
+            entered.append(kind)
+            release.wait(10)
+
+    first = threading.Thread(target=hold, args=("shared",))
+    first.start()
+    while not entered:
+        threading.Event().wait(0.001)
+    with lock.shared():  # a second forward does not wait for the first
+        pass
+    change = threading.Thread(target=hold, args=("exclusive",))
+    change.start()
+    change.join(0.2)
+    assert entered == ["shared"]  # the layout change waits for the running forward
+    release.set()
+    change.join(10)
+    first.join(10)
+    assert entered == ["shared", "exclusive"]
+    with lock.exclusive(), lock.exclusive(), lock.shared():  # the thread that holds it may take it again
+        pass
+    with lock.shared(), pytest.raises(RuntimeError, match="cannot change inside a forward pass"):
+        with lock.exclusive():
+            pass
+
+
+def test_copies_get_their_own_weights_lock_and_drafts_share_their_models():
+    import copy
+    import io
+
+    model = tiny_llama()
+    draft = model.truncated(1)
+    assert draft.weights_lock is model.weights_lock  # the draft's layers are the model's
+    model_copy, draft_copy = copy.deepcopy((model, draft))
+    assert model_copy.weights_lock is draft_copy.weights_lock and model_copy.weights_lock is not model.weights_lock
+    del model.__dict__["weights_lock"]  # as pickled before models had one
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    ids = torch.tensor([[1, 2, 3]])
+    assert loaded.weights_lock is not model_copy.weights_lock
+    torch.testing.assert_close(loaded(ids, loaded.new_cache(1, 3)), model_copy(ids, model_copy.new_cache(1, 3)))
+
+
 WEIGHT_FIRST_PLAN = MatmulPlan(input_major=False, forms=((1, "weight_first"), (65, "linear")))
 ONEDNN_PLAN = MatmulPlan(input_major=False, forms=((1, "weight_first"), (4, "onednn_packed")))
 PLANS = [pytest.param(MKL_PACKED_PLAN, id="mkl-packed", marks=needs_mkl),
