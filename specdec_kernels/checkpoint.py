@@ -1,0 +1,211 @@
+"""Hugging Face Llama checkpoints: reading a folder, checking its tensors against the config, and
+mapping names between the Hugging Face layout and the built-in `Llama`'s.
+
+Loading accounts for every tensor exactly once: a missing, unused, duplicated or misshapen
+tensor, and a file that cannot be read, are errors naming the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import LlamaConfig
+
+
+def read_hf_folder(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, str]]:
+    """The config and tensors of a Hugging Face folder, and the file each tensor came from. A file
+    that cannot be read or parsed, and a tensor in two files, are errors naming the files."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"source must be a folder with config.json and *.safetensors, got {folder}")
+    try:
+        hf_config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise OSError(f"cannot read {path}: {e}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e}): restore it or download it again") from e
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(hf_config).__name__}")
+    try:
+        config = LlamaConfig.from_hf(hf_config)
+    except (TypeError, ValueError) as e:
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(f"{path}: {e}") from e
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state, files = {}, {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        try:
+            tensors = load_file(shard)
+        except SafetensorError as e:
+            raise ValueError(f"{shard} is not a valid safetensors file ({e}): it is empty, truncated or "
+                             "corrupt; download or convert it again") from e
+        except OSError as e:
+            raise OSError(f"cannot read {shard}: {e}") from e
+        for name, tensor in tensors.items():
+            if name in files:
+                raise ValueError(f"{name} is in two files, {files[name]} and {shard}: a tensor may be in only "
+                                 "one (is one of them a stale copy?)")
+            state[name], files[name] = tensor, str(shard)
+    if not state:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    return config, state, files
+
+
+# The tensors of each layer in a Hugging Face checkpoint, with their shapes in config fields.
+_HF_LAYER_SHAPES = {
+    "self_attn.q_proj.weight": ("num_attention_heads * head_dim", "hidden_size"),
+    "self_attn.k_proj.weight": ("num_key_value_heads * head_dim", "hidden_size"),
+    "self_attn.v_proj.weight": ("num_key_value_heads * head_dim", "hidden_size"),
+    "self_attn.o_proj.weight": ("hidden_size", "num_attention_heads * head_dim"),
+    "mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
+    "input_layernorm.weight": ("hidden_size",),
+    "post_attention_layernorm.weight": ("hidden_size",),
+}
+# Rotary frequencies that old transformers versions saved in each layer: ignored (they follow
+# from rope_theta and head_dim), as transformers ignores them, but checked for their shape.
+_HF_INV_FREQ = "self_attn.rotary_emb.inv_freq"
+
+
+def hf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
+    """Every tensor a Hugging Face checkpoint of ``config`` holds (named as in
+    ``LlamaForCausalLM.state_dict()``), with its shape as products of config fields, e.g.
+    ``("num_key_value_heads * head_dim", "hidden_size")``; ``lm_head.weight`` only when the
+    embeddings are not tied."""
+    shapes = {"model.embed_tokens.weight": ("vocab_size", "hidden_size"), "model.norm.weight": ("hidden_size",)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = ("vocab_size", "hidden_size")
+    for i in range(config.num_hidden_layers):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in _HF_LAYER_SHAPES.items()})
+    return shapes
+
+
+def _size(config: LlamaConfig, expression: str) -> int:
+    """The size a shape expression of `hf_tensor_shapes` names: config fields joined by ``" * "``,
+    optionally followed by ``" / 2"``."""
+    product, _, divisor = expression.partition(" / ")
+    return math.prod(getattr(config, name) for name in product.split(" * ")) // int(divisor or 1)
+
+
+def _listed(names: list[str], files: dict[str, str] | None = None, most: int = 3) -> str:
+    """``names`` for an error message: the first ``most``, and the files they are in when ``files`` is given."""
+    listed = ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+    return listed + (f" (in {', '.join(sorted({files[n] for n in names}))})" if files else "")
+
+
+def _layers_hint(names: Any, config: LlamaConfig, config_where: str) -> str:
+    """Where the layers the weights hold differ from ``num_hidden_layers``, a sentence that says so."""
+    held = sorted({int(m[1]) for name in names if (m := re.match(r"model\.layers\.(\d+)\.", name))})
+    if held == list(range(config.num_hidden_layers)):
+        return ""
+    span = f"0-{len(held) - 1}" if held == list(range(len(held))) else ", ".join(map(str, held))
+    return (f"; the weights hold {len(held)} layers ({span}) and {config_where} says "
+            f"num_hidden_layers={config.num_hidden_layers}")
+
+
+def check_hf_state(state: dict[str, torch.Tensor], config: LlamaConfig, files: dict[str, str] | None = None,
+                   config_where: str = "the config") -> dict[str, torch.Tensor]:
+    """``state`` (a Hugging Face ``LlamaForCausalLM`` state dict) keyed by the names of
+    `hf_tensor_shapes`, after checking that it holds every one of those tensors once, with the
+    shape ``config`` implies and a floating-point dtype, and nothing else. Names without the
+    ``model.`` prefix (a ``LlamaModel``'s) count as with it. With tied embeddings an
+    ``lm_head.weight`` may be there if it equals ``model.embed_tokens.weight``.
+
+    Args:
+        files: where each tensor came from, for the error messages.
+        config_where: where ``config`` came from (``config.json``'s path), for the messages.
+
+    Raises:
+        ValueError: a tensor is missing, unused, there under two names, or of the wrong shape or
+            dtype; the message names the tensor and its file.
+    """
+    files = files or dict.fromkeys(state, "the state dict")
+    named: dict[str, str] = {}  # name as in `hf_tensor_shapes` -> name in ``state``
+    for name in state:
+        key = name if name.startswith("model.") or name == "lm_head.weight" else f"model.{name}"
+        if key in named:
+            raise ValueError(f"{named[key]} (in {files[named[key]]}) and {name} (in {files[name]}) are the same "
+                             "tensor under two names: a tensor may be there only once")
+        named[key] = name
+    expected = hf_tensor_shapes(config)
+    optional = {f"model.layers.{i}.{_HF_INV_FREQ}": ("head_dim / 2",) for i in range(config.num_hidden_layers)}
+    if config.tie_word_embeddings:
+        optional["lm_head.weight"] = ("vocab_size", "hidden_size")
+    hint = _layers_hint(named, config, config_where)
+    missing = [key for key in expected if key not in named]
+    if missing:
+        if "lm_head.weight" in missing:
+            hint += ("; if the LM head is the input embedding (tied), set tie_word_embeddings to true in "
+                     f"{config_where}")
+        raise ValueError(f"missing tensors: {_listed(missing)}; {config_where} implies them{hint}")
+    unused = [named[key] for key in named if key not in expected and key not in optional]
+    if unused:
+        raise ValueError(f"unused tensors: {_listed(unused, files)}; every tensor must belong to the model "
+                         f"{config_where} describes{hint}")
+    for key, name in named.items():
+        tensor, shape = state[name], {**expected, **optional}[key]
+        sizes = tuple(_size(config, expression) for expression in shape)
+        if tuple(tensor.shape) != sizes:
+            raise ValueError(f"{name} (in {files[name]}) has shape {tuple(tensor.shape)}, but {config_where} "
+                             f"implies {sizes} = ({', '.join(shape)})")
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name} (in {files[name]}) has dtype {tensor.dtype}; the built-in Llama loads "
+                             "floating-point weights only")
+    if "lm_head.weight" in named and config.tie_word_embeddings:
+        name = named["lm_head.weight"]
+        if not torch.equal(state[name], state[named["model.embed_tokens.weight"]]):
+            raise ValueError(f"{name} (in {files[name]}) differs from the input embedding, but {config_where} "
+                             "ties them (tie_word_embeddings=true): set it to false to use this LM head")
+    return {key: state[name] for key, name in named.items()}
+
+
+def hf_to_internal(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Map a Hugging Face ``LlamaForCausalLM`` state dict (checked by `check_hf_state`) onto
+    `Llama`'s, fusing qkv and gate/up."""
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    head = state["embed_tokens.weight"] if config.tie_word_embeddings else state["lm_head.weight"]
+    out = {"tok_embeddings.weight": state["embed_tokens.weight"], "norm.weight": state["norm.weight"],
+           "output.weight": head}
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        attn = [state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
+        mlp = [state[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")]
+        out.update({
+            f"{p}attention.wqkv.weight": torch.cat(attn),
+            f"{p}attention.wo.weight": state[f"{p}self_attn.o_proj.weight"],
+            f"{p}feed_forward.w13.weight": torch.cat(mlp),
+            f"{p}feed_forward.w2.weight": state[f"{p}mlp.down_proj.weight"],
+            f"{p}attention_norm.weight": state[f"{p}input_layernorm.weight"],
+            f"{p}ffn_norm.weight": state[f"{p}post_attention_layernorm.weight"],
+        })
+    return out
+
+
+def internal_to_hf(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_internal`."""
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = state["output.weight"]
+    for i in range(config.num_hidden_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = state[f"{p}attention.wqkv.weight"].split([q_dim, kv_dim, kv_dim])
+        gate, up = state[f"{p}feed_forward.w13.weight"].chunk(2)
+        out.update({
+            f"{h}self_attn.q_proj.weight": q, f"{h}self_attn.k_proj.weight": k, f"{h}self_attn.v_proj.weight": v,
+            f"{h}self_attn.o_proj.weight": state[f"{p}attention.wo.weight"],
+            f"{h}mlp.gate_proj.weight": gate, f"{h}mlp.up_proj.weight": up,
+            f"{h}mlp.down_proj.weight": state[f"{p}feed_forward.w2.weight"],
+            f"{h}input_layernorm.weight": state[f"{p}attention_norm.weight"],
+            f"{h}post_attention_layernorm.weight": state[f"{p}ffn_norm.weight"],
+        })
+    return out
