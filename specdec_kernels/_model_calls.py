@@ -104,8 +104,13 @@ def _check_model(model, name: str) -> None:
 
 
 def _new_cache(model, name: str, batch_size: int, max_len: int, device: torch.device):
-    """``model.new_cache(...)``, refusing a cache on another device than the input ids."""
-    cache = model.new_cache(batch_size, max_len)
+    """``model.new_cache(...)``, refusing a cache on another device than the input ids, and naming
+    the arguments that sized it when it cannot be allocated."""
+    try:
+        cache = model.new_cache(batch_size, max_len)
+    except (RuntimeError, MemoryError, OverflowError) as e:
+        raise ValueError(f"the {name}'s KV cache for {batch_size} rows of max_cache_len={max_len} tokens could not "
+                         f"be allocated ({e}); lower max_new_tokens or max_cache_len") from e
     lengths = getattr(cache, "lengths", None)
     if isinstance(lengths, torch.Tensor) and lengths.device != device:
         raise ValueError(f"input_ids is on {device} but the {name}'s cache is on {lengths.device}: "

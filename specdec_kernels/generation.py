@@ -252,7 +252,11 @@ class _Outputs:
     def __init__(self, batch_size: int, max_new_tokens: int, device: torch.device) -> None:
         self.max_new = max_new_tokens
         # One spare column takes the writes that fall past a row's end (after EOS or budget).
-        self.tokens = torch.full((batch_size, max_new_tokens + 1), -1, dtype=torch.int64, device=device)
+        try:
+            self.tokens = torch.full((batch_size, max_new_tokens + 1), -1, dtype=torch.int64, device=device)
+        except (RuntimeError, MemoryError, OverflowError) as e:
+            raise ValueError(f"the output for {batch_size} rows of max_new_tokens={max_new_tokens} could not be "
+                             f"allocated ({e}); lower max_new_tokens") from e
         self.counts = torch.zeros(batch_size, dtype=torch.int64, device=device)
 
     def write(self, rows: torch.Tensor, new: torch.Tensor, num_new: torch.Tensor, eos: torch.Tensor

@@ -293,6 +293,8 @@ class Llama(nn.Module):
     def truncated(self, num_layers: int) -> Llama:
         """A draft made of this model's first ``num_layers`` layers plus its final norm and head
         (layer-skip self-speculation); shares every weight, costs no memory."""
+        if not is_int(num_layers):
+            raise TypeError(f"num_layers must be an int, got {num_layers!r}")
         if not 1 <= num_layers <= len(self.layers):
             raise ValueError(f"num_layers must be in [1, {len(self.layers)}], got {num_layers}")
         config = LlamaConfig(**{**asdict(self.config), "num_hidden_layers": num_layers})

@@ -176,3 +176,25 @@ def test_tiny_temperatures_decode_greedily(model, temperature):
     spec = speculative_generate(model, PromptLookupDraft(), ids, mask, max_new_tokens=6, temperature=temperature,
                                 seed=5)
     assert torch.equal(tiny.tokens, greedy.tokens) and torch.equal(spec.tokens, greedy.tokens)
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+class NoLimit(Faulty):
+    """A protocol model without ``config.max_position_embeddings``: nothing bounds the budget."""
+
+
+@pytest.mark.parametrize("sizes", [dict(max_new_tokens=2**62), dict(max_new_tokens=8, max_cache_len=10**15)],
+                         ids=["max_new_tokens", "max_cache_len"])
+def test_sizes_the_allocator_refuses_name_the_argument(model, sizes):
+    ids, mask = prompts()
+    name = next(iter(sizes)) if "max_cache_len" not in sizes else "max_cache_len"
+    for loop in (generate, lambda *a, **k: speculative_generate(a[0], PromptLookupDraft(), *a[1:], **k)):
+        with pytest.raises(ValueError, match=name):
+            loop(NoLimit(model), ids, mask, **sizes)
+
+
+def test_truncated_takes_an_int_number_of_layers(model):
+    with pytest.raises(TypeError, match="num_layers must be an int"):
+        model.truncated(1.5)
