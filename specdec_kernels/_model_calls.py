@@ -103,12 +103,23 @@ def _check_model(model, name: str) -> None:
                             f".new_cache(batch_size, max_len)); it has no {attribute!r}")
 
 
+def refused_allocation(error: BaseException) -> bool:
+    """Whether ``error`` says that memory of the requested size could not be had (out of memory,
+    a size past what the allocator can count), rather than any other failure."""
+    if isinstance(error, (MemoryError, OverflowError, torch.OutOfMemoryError)):
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and any(word in message for word in ("alloc", "overflow", "out of memory"))
+
+
 def _new_cache(model, name: str, batch_size: int, max_len: int, device: torch.device):
     """``model.new_cache(...)``, refusing a cache on another device than the input ids, and naming
     the arguments that sized it when it cannot be allocated."""
     try:
         cache = model.new_cache(batch_size, max_len)
     except (RuntimeError, MemoryError, OverflowError) as e:
+        if not refused_allocation(e):
+            raise
         raise ValueError(f"the {name}'s KV cache for {batch_size} rows of max_cache_len={max_len} tokens could not "
                          f"be allocated ({e}); lower max_new_tokens or max_cache_len") from e
     lengths = getattr(cache, "lengths", None)

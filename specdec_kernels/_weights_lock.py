@@ -15,7 +15,7 @@ class WeightsLock:
     it go before the next change: neither a stream of forwards nor a stream of changes starves the
     other. A thread may take the lock again while it holds it (shared in shared, anything in
     exclusive); a layout change inside a forward of the same model is refused, as it could never
-    get the lock. Copies and pickles of a model get a new lock (a model and its drafts copied
+    get the lock. Deep copies and pickles of a model get a new lock (a model and its drafts copied
     together share theirs).
     """
 

@@ -40,7 +40,8 @@ def read_hf_folder(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], 
     from safetensors.torch import load_file
 
     state, files = {}, {}
-    for shard in sorted(folder.glob("*.safetensors")):
+    shards, index = _weight_files(folder)
+    for shard in shards:
         try:
             tensors = load_file(shard)
         except SafetensorError as e:
@@ -49,6 +50,8 @@ def read_hf_folder(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], 
         except OSError as e:
             raise OSError(f"cannot read {shard}: {e}") from e
         for name, tensor in tensors.items():
+            if index is not None and index.get(name, shard.name) != shard.name:
+                raise ValueError(f"{name} is in {shard}, but {folder / _INDEX} lists it in {index[name]}")
             if name in files:
                 raise ValueError(f"{name} is in two files, {files[name]} and {shard}: a tensor may be in only "
                                  "one (is one of them a stale copy?)")
@@ -56,6 +59,32 @@ def read_hf_folder(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], 
     if not state:
         raise ValueError(f"no *.safetensors weights in {folder}")
     return config, state, files
+
+
+_INDEX = "model.safetensors.index.json"
+
+
+def _weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The weight files of a Hugging Face folder, chosen as transformers chooses them, and the
+    index's tensor -> file map when there is one: ``model.safetensors`` if present, else the
+    shards ``model.safetensors.index.json`` lists, else every ``*.safetensors`` file. Other files
+    beside them (Mistral's ``consolidated.safetensors`` in its own names) are not the model's."""
+    single, index_path = folder / "model.safetensors", folder / _INDEX
+    if single.is_file():
+        return [single], None
+    if not index_path.is_file():
+        return sorted(folder.glob("*.safetensors")), None
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index_path} is not a valid safetensors index ({e!r}): restore it or download it "
+                         "again") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index_path}: weight_map must map tensor names to file names")
+    missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+    if missing:
+        raise ValueError(f"{index_path} lists {', '.join(missing)}, which {folder} does not have")
+    return [folder / f for f in sorted(set(weight_map.values()))], weight_map
 
 
 # The tensors of each layer in a Hugging Face checkpoint, with their shapes in config fields.

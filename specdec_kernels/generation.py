@@ -34,7 +34,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import is_int, is_real
-from ._model_calls import _check_model, _decoding_forward, _last_logits, _LogitsCheck, _new_cache, _use_cuda_graphs
+from ._model_calls import (
+    _check_model,
+    _decoding_forward,
+    _last_logits,
+    _LogitsCheck,
+    _new_cache,
+    _use_cuda_graphs,
+    refused_allocation,
+)
 from ._sampling_checks import check_sampling_params
 from .drafts import PromptLookupDraft
 from .sampling import rejection_sample_logits, sample_logits
@@ -255,6 +263,8 @@ class _Outputs:
         try:
             self.tokens = torch.full((batch_size, max_new_tokens + 1), -1, dtype=torch.int64, device=device)
         except (RuntimeError, MemoryError, OverflowError) as e:
+            if not refused_allocation(e):
+                raise
             raise ValueError(f"the output for {batch_size} rows of max_new_tokens={max_new_tokens} could not be "
                              f"allocated ({e}); lower max_new_tokens") from e
         self.counts = torch.zeros(batch_size, dtype=torch.int64, device=device)

@@ -363,6 +363,8 @@ class Llama(nn.Module):
         pass, with the same logits up to the last bits (see above). Forward passes still run
         together. The lock is ``weights_lock`` (a `WeightsLock`); hold
         ``model.weights_lock.exclusive()`` to change weights in place while other threads generate.
+        This covers eager forwards (CPU, and CUDA without graphs): a CUDA-graph replay does not go
+        through ``forward`` and takes no lock, so do not change weights while graphed loops run.
 
         Raises:
             ValueError: a weight is not a CPU float32 tensor, ``plan`` is not a `MatmulPlan`, or a
@@ -386,8 +388,9 @@ class Llama(nn.Module):
                 layer.check_packable(plan)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
-        if plan is None:  # measured while forwards may run: it reads the weights, changes nothing
-            plan = measured_matmul_plan(self._matmul_sample())
+        if plan is None:  # shared: forwards may run meanwhile, another layout change may not
+            with self.weights_lock.shared():
+                plan = measured_matmul_plan(self._matmul_sample())
         with self.weights_lock.exclusive():
             for layer in layers.values():
                 layer.pack(plan)

@@ -82,8 +82,9 @@ _SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
 def _digest(path: Path) -> str:
     """sha256 of a file: of all of it up to `_HASHED_WHOLE` bytes; of a larger one, of its first
     bytes (a safetensors file's whole header: every tensor's name, dtype, shape and offsets) and of
-    `_SAMPLES` blocks spread evenly over the rest. Hashing all of the weights would take longer than
-    loading them; the samples still catch a region that was never written or was overwritten."""
+    `_SAMPLES` blocks spread evenly over the rest, so that every load can afford it. It catches a
+    changed header and damage that touches a sampled block; damage elsewhere in the tensor data
+    goes unseen (a full hash costs about 40% of a load)."""
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -160,8 +161,9 @@ def smollm2_folder() -> Path:
     converted from the GGUF file and cached on first use (see `cache_dir`).
 
     The conversion records each file's size and a digest in `MANIFEST`; every call checks them
-    (`_is_intact`) and converts again over a folder that does not match (a file truncated,
-    overwritten or missing, or no manifest: an unfinished or older conversion). The folder is
+    (`_is_intact`) and converts again over a folder that does not match (a file truncated or
+    missing, its header changed, a sampled block of its data changed, or no manifest: an
+    unfinished or older conversion). The folder is
     readable by every user (folder 0755, files 0644), so a cache can be shared.
 
     Raises:

@@ -115,16 +115,41 @@ def test_config_values_are_checked_when_a_config_is_built():
 
 def test_a_tensor_in_two_shards_names_both_files(folder):
     """An extra shard holding the embedding silently overrode the real one."""
+    (folder / "model.safetensors").rename(folder / "a.safetensors")
     save_file({"model.embed_tokens.weight": torch.zeros(97, 64)}, str(folder / "stale.safetensors"))
     with pytest.raises(ValueError, match=rf"model\.embed_tokens\.weight is in two files, "
-                                         rf"{folder / 'model.safetensors'} and {folder / 'stale.safetensors'}"):
+                                         rf"{folder / 'a.safetensors'} and {folder / 'stale.safetensors'}"):
         Llama.from_pretrained(folder)
 
 
 def test_an_unused_tensor_is_refused_naming_its_file(folder):
-    extra = folder / "extra.safetensors"
-    save_file({"model.extra.weight": torch.zeros(3)}, str(extra))
-    with pytest.raises(ValueError, match=rf"unused tensors: model\.extra\.weight \(in {extra}\)"):
+    edit_weights(folder, lambda t: t.update({"model.extra.weight": torch.zeros(3)}))
+    weights = folder / "model.safetensors"
+    with pytest.raises(ValueError, match=rf"unused tensors: model\.extra\.weight \(in {weights}\)"):
+        Llama.from_pretrained(folder)
+
+
+def test_files_beside_the_weights_are_not_read(folder, checkpoint):
+    """Mistral folders ship consolidated.safetensors in Mistral's own names beside model.safetensors."""
+    save_file({"tok_embeddings.weight": torch.zeros(3)}, str(folder / "consolidated.safetensors"))
+    reference = Llama.from_pretrained(checkpoint)
+    assert torch.equal(Llama.from_pretrained(folder).output.weight, reference.output.weight)
+
+
+def test_an_index_selects_the_shards_and_their_tensors(folder, checkpoint):
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[:5]}, str(folder / "w-1.safetensors"))
+    save_file({n: tensors[n] for n in names[5:]}, str(folder / "w-2.safetensors"))
+    weight_map = {n: "w-1.safetensors" if i < 5 else "w-2.safetensors" for i, n in enumerate(names)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file({"stale.weight": torch.zeros(3)}, str(folder / "stale.safetensors"))  # not listed: not read
+    reference = Llama.from_pretrained(checkpoint)
+    assert torch.equal(Llama.from_pretrained(folder).output.weight, reference.output.weight)
+    weight_map[names[0]] = "w-2.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=rf"{names[0]} is in .*w-1\.safetensors, but .* lists it in w-2"):
         Llama.from_pretrained(folder)
 
 
