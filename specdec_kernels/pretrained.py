@@ -128,6 +128,35 @@ def _is_intact(folder: Path) -> bool:
         return False
 
 
+def _safetensors_complete(path: Path) -> bool:
+    """Whether a safetensors file is as long as its header says: 8 bytes, the header, and the data
+    up to the end of its last tensor (a truncated or unfinished file is shorter)."""
+    try:
+        with open(path, "rb") as f:
+            size, length = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
+            if 8 + length > size:
+                return False
+            header = json.loads(f.read(length))
+        end = max((t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"), default=0)
+        return size == 8 + length + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
+def _adopt_unrecorded(folder: Path) -> bool:
+    """Whether ``folder`` is a conversion made before manifests were written that is still whole:
+    its files are there and its weights file is complete. Such a folder is kept (another user's
+    read-only cache, or one shipped without the conversion's dependencies, stays usable) and gets
+    a manifest where the folder can be written."""
+    if (folder / MANIFEST).exists() or not all((folder / name).is_file() for name in _REQUIRED):
+        return False
+    if not _safetensors_complete(folder / "model.safetensors"):
+        return False
+    with contextlib.suppress(OSError):  # read-only: checked again, as now, at the next load
+        _write_manifest(folder)
+    return True
+
+
 @contextlib.contextmanager
 def _conversion_lock(folder: Path):
     """Hold an exclusive lock on ``folder`` / .lock, so two processes never convert into the same
@@ -162,8 +191,8 @@ def smollm2_folder() -> Path:
 
     The conversion records each file's size and a digest in `MANIFEST`; every call checks them
     (`_is_intact`) and converts again over a folder that does not match (a file truncated or
-    missing, its header changed, a sampled block of its data changed, or no manifest: an
-    unfinished or older conversion). The folder is
+    missing, its header changed, a sampled block of its data changed). A folder converted before
+    manifests were written is kept if its weights file is complete (`_adopt_unrecorded`). The folder is
     readable by every user (folder 0755, files 0644), so a cache can be shared.
 
     Raises:
@@ -173,7 +202,7 @@ def smollm2_folder() -> Path:
     """
     folder = cache_dir()
     target = folder / SMOLLM2_NAME
-    if _is_intact(target):
+    if _is_intact(target) or _adopt_unrecorded(target):
         return target
     gguf = smollm2_gguf()
     if not all(importlib.util.find_spec(name) for name in ("transformers", "gguf")):

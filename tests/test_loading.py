@@ -249,7 +249,7 @@ def test_bad_arguments_raise_type_errors(checkpoint, source, kwargs, match):
 # ---------------------------------------------------------------- the converted SmolLM2 cache
 
 
-@pytest.mark.parametrize("damage", ["truncated", "overwritten", "without-manifest", "tokenizer-missing"])
+@pytest.mark.parametrize("damage", ["truncated", "overwritten", "truncated-without-manifest", "tokenizer-missing"])
 def test_a_broken_converted_folder_is_converted_again(stub_conversion, monkeypatch, tmp_path, damage):
     """Checking only that the files existed kept a truncated or overwritten model forever."""
     from specdec_kernels.pretrained import smollm2_folder
@@ -262,13 +262,24 @@ def test_a_broken_converted_folder_is_converted_again(stub_conversion, monkeypat
         weights.write_bytes(intact[:-100])
     elif damage == "overwritten":  # same size
         weights.write_bytes(intact[:-100] + bytes(100))
-    elif damage == "without-manifest":  # a conversion by an older version, or one that did not finish
+    elif damage == "truncated-without-manifest":  # an unfinished conversion by an older version
         next(p for p in folder.iterdir() if "manifest" in p.name).unlink()
+        weights.write_bytes(intact[:-100])
     else:
         (folder / "tokenizer.json").unlink()
     assert smollm2_folder() == folder and len(stub_conversion) == 2
     assert len(weights.read_bytes()) == len(intact) and Llama.from_pretrained(folder).config.vocab_size == 32
     assert smollm2_folder() == folder and len(stub_conversion) == 2  # intact again: not converted a third time
+
+
+def test_a_whole_folder_converted_before_manifests_is_kept(stub_conversion, monkeypatch, tmp_path):
+    """Caches converted by earlier versions have no manifest: whole ones are kept and recorded."""
+    from specdec_kernels.pretrained import MANIFEST, smollm2_folder
+
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path / "cache"))
+    folder = smollm2_folder()
+    (folder / MANIFEST).unlink()
+    assert smollm2_folder() == folder and len(stub_conversion) == 1 and (folder / MANIFEST).is_file()
 
 
 def test_the_converted_folder_is_readable_by_other_users(stub_conversion, monkeypatch, tmp_path):
