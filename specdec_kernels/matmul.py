@@ -32,6 +32,9 @@ keep such a load out of the plan:
   quiet machine would show. `measured_matmul_plan` therefore stores a plan on disk, keyed by the
   machine, only when nothing else used the CPU while it was measured (`cpu_seconds_elsewhere`),
   and every later process on that machine (loaded or not) reuses the stored plan.
+
+The forms, their measurement and the plan store stay in one module: a plan is only as good as
+the measurement that chose it, and the two are read together.
 """
 
 from __future__ import annotations
