@@ -24,9 +24,6 @@ from collections.abc import Callable
 
 import torch
 
-# Re-exported for code written against this module before the checks had their own.
-from ._checks import DeviceCheckError, check_lengths_tensor, device_check, is_int, is_real  # noqa: F401
-
 BACKENDS = ("reference", "torch", "triton")
 
 # Public ops that dispatch through `resolve_backend` (printed by `python -m specdec_kernels`).

@@ -16,6 +16,12 @@ from collections.abc import Callable
 import torch
 
 
+def check_float_dtype(dtype: object) -> None:
+    """``dtype`` is a floating-point torch.dtype (a string such as "float16" is refused by name)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float16, got {dtype!r}")
+
+
 def is_int(value: object) -> bool:
     """An integer (Python or NumPy), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

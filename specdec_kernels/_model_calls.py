@@ -11,9 +11,10 @@ returns (`_LogitsCheck`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -103,7 +104,7 @@ def _check_model(model, name: str) -> None:
                             f".new_cache(batch_size, max_len)); it has no {attribute!r}")
 
 
-def refused_allocation(error: BaseException) -> bool:
+def _refused_allocation(error: BaseException) -> bool:
     """Whether ``error`` says that memory of the requested size could not be had (out of memory,
     a size past what the allocator can count), rather than any other failure."""
     if isinstance(error, (MemoryError, OverflowError, torch.OutOfMemoryError)):
@@ -112,16 +113,24 @@ def refused_allocation(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(word in message for word in ("alloc", "overflow", "out of memory"))
 
 
+@contextlib.contextmanager
+def allocating(what: str, advice: str) -> Iterator[None]:
+    """Turn a refused allocation inside the block into a ValueError saying ``what`` could not be
+    allocated and ``advice`` (the arguments that sized it); any other error passes unchanged."""
+    try:
+        yield
+    except (RuntimeError, MemoryError, OverflowError) as e:
+        if not _refused_allocation(e):
+            raise
+        raise ValueError(f"{what} could not be allocated ({e}); {advice}") from e
+
+
 def _new_cache(model, name: str, batch_size: int, max_len: int, device: torch.device):
     """``model.new_cache(...)``, refusing a cache on another device than the input ids, and naming
     the arguments that sized it when it cannot be allocated."""
-    try:
+    with allocating(f"the {name}'s KV cache for {batch_size} rows of max_cache_len={max_len} tokens",
+                    "lower max_new_tokens or max_cache_len"):
         cache = model.new_cache(batch_size, max_len)
-    except (RuntimeError, MemoryError, OverflowError) as e:
-        if not refused_allocation(e):
-            raise
-        raise ValueError(f"the {name}'s KV cache for {batch_size} rows of max_cache_len={max_len} tokens could not "
-                         f"be allocated ({e}); lower max_new_tokens or max_cache_len") from e
     lengths = getattr(cache, "lengths", None)
     if isinstance(lengths, torch.Tensor) and lengths.device != device:
         raise ValueError(f"input_ids is on {device} but the {name}'s cache is on {lengths.device}: "
@@ -164,7 +173,7 @@ class _LogitsCheck:
             self.failed[self.names.index(name)] |= bad.any()
             # The samplers would assert on such rows on the device; zeros keep them quiet until
             # the step's transfer raises, and what they sample is never returned.
-            logits = logits.masked_fill(bad[..., None], 0.0)
+            logits.masked_fill_(bad[..., None], 0.0)
         else:
             device_check(~bad.any(), self.message(name))
         return logits

@@ -134,7 +134,7 @@ def _rejection_sample(
     accepted = (noise.accept * q_x <= p_x) & (q_x > 0) if q_x is not None else noise.accept <= p_x
     accepted &= valid_id
     if greedy is not None:
-        argmax = target.argmax(-1)  # [B, K+1]
+        maxima, argmax = target.max(-1)  # [B, K+1], the first maximum's index; maxima serve the checks
         accepted = torch.where(greedy[:, None], ids == argmax[:, :K], accepted)
     j = first_rejection_index_torch(accepted, n)
     # Residual row at j (or the bonus row p_{n_b}), sampled by a two-level inverse CDF: chunk sums
@@ -185,7 +185,7 @@ def _rejection_sample(
     if checks is not None:
         require_values_read(checks, target.dtype, V, n, j, False if greedy is None else greedy, ragged=ragged,
                             p_x=p_x, q_x=q_x, p_row=p_row, q_row=q_row,
-                            maxima=None if greedy is None else target.amax(-1))
+                            maxima=None if greedy is None else maxima)
     return _output(ids, j, token)
 
 
@@ -206,8 +206,8 @@ def _greedy_verify(target: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, che
     """Every row greedy: drafts are kept while they equal the argmax (the first maximum) of
     ``target`` [B, K+1, V], the target's probabilities (or its raw logits at temperature 0, where
     process_logits' one-hot sits at their argmax), then the argmax is emitted; no noise."""
-    argmax = target.argmax(-1)  # [B, K+1]
+    maxima, argmax = target.max(-1)  # [B, K+1], the first maximum's index
     j = first_rejection_index_torch(ids == argmax[:, : ids.shape[1]], n)
     if checks is not None:
-        require_values_read(checks, target.dtype, target.shape[-1], n, j, True, ragged=ragged, maxima=target.amax(-1))
+        require_values_read(checks, target.dtype, target.shape[-1], n, j, True, ragged=ragged, maxima=maxima)
     return _output(ids, j, argmax.gather(1, j[:, None]).squeeze(1))

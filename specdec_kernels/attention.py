@@ -41,8 +41,7 @@ import torch
 
 from ._backend import Dispatch, as_float32, resolve_backend
 from ._checks import DeviceCheckError, check_lengths_tensor, device_check, is_int
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from ._types import FLOAT_DTYPES
 
 
 def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -56,7 +55,7 @@ def _check_ragged_attention_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         if t.dim() != 4:
             layout = "[B, T, Hq, D]" if name == "q" else "[B, Lmax, Hkv, D]"
             raise ValueError(f"{name} must be 4-D {layout}, got shape {list(t.shape)}")
-    if q.dtype not in _DTYPES:
+    if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
     B, T, Hq, D = q.shape
     if min(B, T, Hq, D) < 1:

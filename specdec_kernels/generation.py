@@ -41,7 +41,7 @@ from ._model_calls import (
     _LogitsCheck,
     _new_cache,
     _use_cuda_graphs,
-    refused_allocation,
+    allocating,
 )
 from ._sampling_checks import check_sampling_params
 from .drafts import PromptLookupDraft
@@ -260,13 +260,8 @@ class _Outputs:
     def __init__(self, batch_size: int, max_new_tokens: int, device: torch.device) -> None:
         self.max_new = max_new_tokens
         # One spare column takes the writes that fall past a row's end (after EOS or budget).
-        try:
+        with allocating(f"the output for {batch_size} rows of max_new_tokens={max_new_tokens}", "lower max_new_tokens"):
             self.tokens = torch.full((batch_size, max_new_tokens + 1), -1, dtype=torch.int64, device=device)
-        except (RuntimeError, MemoryError, OverflowError) as e:
-            if not refused_allocation(e):
-                raise
-            raise ValueError(f"the output for {batch_size} rows of max_new_tokens={max_new_tokens} could not be "
-                             f"allocated ({e}); lower max_new_tokens") from e
         self.counts = torch.zeros(batch_size, dtype=torch.int64, device=device)
 
     def write(self, rows: torch.Tensor, new: torch.Tensor, num_new: torch.Tensor, eos: torch.Tensor

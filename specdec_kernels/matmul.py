@@ -40,6 +40,7 @@ the measurement that chose it, and the two are read together.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -260,7 +261,7 @@ def measure_matmul_plan(weights: Sequence[torch.Tensor], *, row_counts: Sequence
             if form.available():
                 calls[(None, name)] = [partial(form.run, packed=form.pack(w), weight=w) for w in rows_first]
         gen = torch.Generator().manual_seed(0)
-        inputs = {rows: [torch.randn(rows, w.shape[1], generator=gen) for w in weights] for rows in [1, *counts]}
+        inputs = {rows: [torch.randn(rows, w.shape[1], generator=gen) for w in weights] for rows in counts}
         for candidate in calls.values():  # first calls: allocations, MKL's own setup
             for call, x in zip(candidate, inputs[1], strict=True):
                 call(x)
@@ -364,14 +365,20 @@ def plans_file() -> Path:
     return cache_dir() / "matmul_plans.json"
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo ("" where there is none); it cannot change in a process."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def _plan_key(weights: Sequence[torch.Tensor]) -> str:
     """What a plan holds for: the CPU model and count, the torch build, its threads and packed forms,
     and the weights' shapes."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        cpu = ""
+    cpu = _cpu_name()
     available = [name for name, form in PACKED_FORMS.items() if form.available()]
     return json.dumps([cpu or platform.processor() or platform.machine(), os.cpu_count(), torch.__version__,
                        torch.get_num_threads(), available, [list(w.shape) for w in weights]])

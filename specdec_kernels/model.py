@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import as_float32, device_check, is_int
+from ._backend import as_float32
+from ._checks import check_float_dtype, device_check, is_int
 from ._weights_lock import WeightsLock
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
@@ -441,8 +442,7 @@ class Llama(nn.Module):
                 dtype (the message names the tensor and its file).
             OSError: a file cannot be read (the message names it).
         """
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float16, got {dtype!r}")
+        check_float_dtype(dtype)
         device = torch.device(device)
         if isinstance(source, nn.Module):
             if not hasattr(getattr(source, "config", None), "to_dict"):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ._checks import check_float_dtype
 from .model import Llama
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -286,8 +287,7 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | s
     installed), so a folder converted with a transformers version that mapped them wrongly is
     right as well.
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    check_float_dtype(dtype)  # before a conversion of about 20 s
     device = torch.device(device)  # a bad device string fails here, before the conversion
     folder = smollm2_folder()
     from transformers import AutoTokenizer
