@@ -13,7 +13,7 @@ from ._backend import BACKENDS, auto_backend, interpreter_enabled, resolve_backe
 from ._checks import DeviceCheckError
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import KVCache
-from .drafts import PromptLookupDraft
+from .drafts import Drafter, DraftProposal, ModelDraft, PromptLookupDraft
 from .generation import GenerationOutput, GenerationStats, generate, speculative_generate
 from .matmul import MatmulPlan
 from .model import Llama, LlamaConfig
@@ -34,11 +34,14 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "DeviceCheckError",
+    "DraftProposal",
+    "Drafter",
     "GenerationOutput",
     "GenerationStats",
     "Llama",
     "LlamaConfig",
     "MatmulPlan",
+    "ModelDraft",
     "PromptLookupDraft",
     "RaggedAttentionPlan",
     "KVCache",

@@ -139,51 +139,60 @@ def _new_cache(model, name: str, batch_size: int, max_len: int, device: torch.de
 
 
 class _LogitsCheck:
-    """Every forward's logits, checked without a host synchronization.
+    """Every forward's logits (and every draft proposal), checked without a host synchronization.
 
-    The width must equal the model's ``vocab_size`` (a shape: checked on the host at once). A row
-    the loop samples from must have a finite maximum: NaN, +inf or nothing but -inf leave no
-    token to sample, and a sampler handed them would have to make one up. On CPU that raises at
-    once (`device_check`); on CUDA a flag per model is read in the step's one transfer
+    The width must equal the vocabulary's (a shape: checked on the host at once). A row the loop
+    samples from must have a finite maximum: NaN, +inf or nothing but -inf leave no token to
+    sample, and a sampler handed them would have to make one up. On CPU a failed check raises at
+    once (`device_check`); on CUDA a flag per name is read in the step's one transfer
     (`_rows_still_running`), which raises, so the loop stays sync-free and a bad model never
     triggers a device-side assert.
     """
 
     def __init__(self, device: torch.device, names: tuple[str, ...]) -> None:
-        self.names = names  # the loop's names of its models, for the messages
+        self.names = names  # the loop's names of its models (and drafter), for the messages
+        self.messages = {name: self.logits_message(name) for name in names}
         self.deferred = device.type == "cuda"
         self.failed = torch.zeros(len(names), dtype=torch.bool, device=device)
 
     @staticmethod
-    def message(name: str) -> str:
-        return (f"the {name} model returned NaN or infinite logits, or a row of only -inf: no token can be "
+    def logits_message(name: str) -> str:
+        return (f"the {name} returned NaN or infinite logits, or a row of only -inf: no token can be "
                 "sampled from them (check its weights, its inputs and its dtype: float16 overflows past 65504)")
 
-    def __call__(self, name: str, model, logits: torch.Tensor, q_seqlens: torch.Tensor | None = None
+    def flag(self, name: str, bad: torch.Tensor, message: str | None = None) -> None:
+        """Fail the ``name`` check where the 0-d bool ``bad`` is true (``message``: what went wrong,
+        instead of the logits message)."""
+        if message is not None:
+            self.messages[name] = message
+        if self.deferred:
+            self.failed[self.names.index(name)] |= bad
+        else:
+            device_check(~bad, self.messages[name])
+
+    def __call__(self, name: str, vocab_size: int, logits: torch.Tensor, q_seqlens: torch.Tensor | None = None
                  ) -> torch.Tensor:
         """Check ``logits`` ([B, V], or [B, T, V] of which row b uses the first ``q_seqlens[b]``)
-        of the ``name`` model (one of ``names``) and return them."""
-        if logits.shape[-1] != model.vocab_size:
-            raise ValueError(f"the {name} model returned logits of width {logits.shape[-1]} but its vocab_size "
-                             f"is {model.vocab_size}: ids past vocab_size would be sampled")
+        of the ``name`` model (one of ``names``) against ``vocab_size`` and return them."""
+        if logits.shape[-1] != vocab_size:
+            raise ValueError(f"the {name} returned logits of width {logits.shape[-1]} but its vocab_size "
+                             f"is {vocab_size}: ids past vocab_size would be sampled")
         bad = ~torch.isfinite(logits.amax(-1))
         if q_seqlens is not None and logits.dim() == 3:
             bad &= torch.arange(logits.shape[1], device=logits.device) < q_seqlens[:, None]
+        self.flag(name, bad.any(), self.logits_message(name))
         if self.deferred:
-            self.failed[self.names.index(name)] |= bad.any()
             # The samplers would assert on such rows on the device; zeros keep them quiet until
             # the step's transfer raises, and what they sample is never returned.
             logits.masked_fill_(bad[..., None], 0.0)
-        else:
-            device_check(~bad.any(), self.message(name))
         return logits
 
-    def checked(self, name: str, model, forward: Callable) -> Callable:
+    def checked(self, name: str, vocab_size: int, forward: Callable) -> Callable:
         """``forward`` (a `_decoding_forward`) with its logits checked."""
         return lambda ids, cache, q_seqlens=None, *args, **kwargs: self(
-            name, model, forward(ids, cache, q_seqlens, *args, **kwargs), q_seqlens)
+            name, vocab_size, forward(ids, cache, q_seqlens, *args, **kwargs), q_seqlens)
 
     def raise_if_failed(self, flags: list[int]) -> None:
         for name, failed in zip(self.names, flags, strict=True):
             if failed:
-                raise DeviceCheckError(self.message(name))
+                raise DeviceCheckError(self.messages[name])

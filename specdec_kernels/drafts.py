@@ -1,25 +1,183 @@
 """Drafts: where the speculative tokens come from.
 
-A draft is either a model that follows the model protocol and shares the target's vocabulary
-(`specdec_kernels.Llama.truncated` gives the target's first layers), or a model-free proposer
-such as `PromptLookupDraft`.
+`speculative_generate` asks a `Drafter` for tokens and knows nothing else about it. A drafter
+follows the committed text of each row (`Drafter.commit`), proposes continuations
+(`Drafter.propose`) and forgets finished rows (`Drafter.select`). Two drafters ship:
+
+- `ModelDraft` wraps any model that follows the model protocol and shares the target's
+  vocabulary (`specdec_kernels.Llama.truncated` gives the target's first layers);
+- `PromptLookupDraft` proposes what followed the last n-gram earlier in the text (no model).
+
+A drafter of your own (the proposals of the next token's most common successor, say) needs
+only the four methods::
+
+    class RepeatLastToken:
+        '''Propose the last committed token again, num_tokens times.'''
+
+        def prefill(self, input_ids, q_seqlens, max_len):
+            self.last = input_ids.gather(1, (q_seqlens - 1)[:, None])  # [B, 1]
+
+        def propose(self, num_tokens, sample):
+            return DraftProposal(self.last.expand(-1, num_tokens), None, None)
+
+        def commit(self, token_ids, num_tokens):
+            self.last = token_ids.gather(1, (num_tokens - 1)[:, None])
+
+        def select(self, rows):
+            self.last = self.last[rows]
+
+Every method runs inside the loop's step and must not synchronize the device (no ``.item()``,
+``.tolist()`` or ``bool(tensor)``) to keep the loop at one host synchronization per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ._checks import check_lengths_tensor, device_check, is_int
+from ._model_calls import _check_model, _decoding_forward, _last_logits, _new_cache, _use_cuda_graphs
+
+
+@dataclass
+class DraftProposal:
+    """Tokens a drafter proposes to continue each row.
+
+    Attributes:
+        token_ids: [B, K] int64, the proposed continuation of each row (ids in [0, V)).
+        num_tokens: [B] int64 in 0..K, how many of them are real (the rest is padding, never
+            read); None: all K in every row.
+        logits: [B, K, V] float, the draft logits the tokens were sampled from (with the
+            ``sample`` function `Drafter.propose` is given), in the target's dtype; None for
+            deterministic proposals (n-gram, greedy, oracle): the draft distribution is then
+            one-hot on the proposed token.
+    """
+
+    token_ids: torch.Tensor
+    num_tokens: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What `speculative_generate` asks of a draft. Rows are the loop's running rows, in order:
+    B is the prompt count at `prefill` and shrinks when `select` drops finished rows.
+
+    A drafter that reads the target's features (EAGLE-style heads) sets the class attribute
+    ``needs_target_hidden = True``; its `commit` then also receives ``hidden_states=`` [B, N, H]:
+    the target's last-layer hidden state (before the final norm) at the position that produced
+    each committed token (the prefill's last position for the first token). Nothing is
+    computed for drafters that do not ask.
+    """
+
+    def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int) -> None:
+        """Start from right-padded prompts ``input_ids`` [B, P] int64 with lengths ``q_seqlens``
+        [B] int64; ``max_len`` bounds every row's final length (prompt, generated tokens and one
+        step's drafts)."""
+
+    def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
+        """Up to ``num_tokens`` tokens per row (an int >= 1) continuing each row's committed
+        tokens. ``sample`` maps logits [B, V] to ids [B] with the run's temperature, top-k / top-p
+        and random generator, so a model draft samples exactly the distribution the verifier is
+        given (and its logits are checked as the target's are)."""
+
+    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """The tokens each row gained this step (``token_ids`` [B, N] int64, the first
+        ``num_tokens[b]`` of row b real, always >= 1): its accepted drafts then the target's
+        token. The first commit carries the token sampled from the target's prefill."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the batch positions ``rows`` ([b] int64), in this order."""
+
+
+class ModelDraft:
+    """A `Drafter` from a model that follows the model protocol (see `specdec_kernels.generation`)
+    and shares the target's vocabulary: it samples its proposals one forward per token, in a KV
+    cache of its own that follows the committed text.
+
+    Committed tokens it has not read yet (one or two after a speculative step, more after steps
+    the loop decoded without drafting) are read in one ragged forward when it next proposes;
+    drafts the target rejected are dropped by cropping its cache.
+
+    Args:
+        model: the draft model (``model.vocab_size`` must equal the target's).
+        cuda_graphs: replay its one-token forwards as CUDA graphs, as in `generate`.
+
+    Example::
+
+        draft = ModelDraft(target.truncated(6))
+        out = speculative_generate(target, draft, input_ids, max_new_tokens=64)
+    """
+
+    def __init__(self, model, *, cuda_graphs: bool | None = None) -> None:
+        _check_model(model, "draft")
+        self.model = model
+        self.cuda_graphs = cuda_graphs
+
+    def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int) -> None:
+        B, P = input_ids.shape
+        device = input_ids.device
+        self.cache = _new_cache(self.model, "draft", B, max_len, device)
+        graphs = _use_cuda_graphs(self.cuda_graphs, (self.model,), device)
+        self._step = _decoding_forward(self.model, self.cache, "draft", graphs, last_only=True)
+        # Committed tokens of each row; the cache holds the first cache.lengths of them.
+        # (A last step may commit up to max_len + 1 tokens per row; the spare last column takes
+        # the padding of every commit.)
+        self.tokens = torch.zeros(B, max_len + 2, dtype=torch.int64, device=device)
+        self.tokens[:, :P] = input_ids
+        self.committed = q_seqlens.clone()
+        self.longest = P  # host bound on every row's committed count (no sync to tighten it)
+        self.unread = 0  # host bound on committed tokens not in the cache
+        _last_logits(self.model, input_ids, self.cache, q_seqlens, max_seqlen=P)
+
+    def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
+        start = self.cache.lengths
+        offsets = torch.arange(self.unread, device=start.device)
+        unread = self.tokens.gather(1, (start[:, None] + offsets).clamp(max=self.tokens.shape[1] - 1))
+        logits = _last_logits(self.model, unread, self.cache, self.committed - start, max_seqlen=self.longest)
+        B = unread.shape[0]
+        draft_logits = torch.empty(B, num_tokens, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        ids = torch.empty(B, num_tokens, dtype=torch.int64, device=logits.device)
+        for i in range(num_tokens):
+            draft_logits[:, i] = logits
+            ids[:, i] = sample(logits)
+            if i + 1 < num_tokens:
+                logits = self._step(ids[:, i: i + 1], self.cache, max_seqlen=self.longest + i + 1, min_seqlen=None)
+        self.unread = 0
+        return DraftProposal(ids, None, draft_logits)
+
+    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        N = token_ids.shape[1]
+        columns = torch.where(torch.arange(N, device=token_ids.device) < num_tokens[:, None],
+                              self.committed[:, None] + torch.arange(N, device=token_ids.device),
+                              self.tokens.shape[1] - 1)
+        self.tokens.scatter_(1, columns, token_ids)
+        # The cache holds the committed tokens it read, then the drafts it proposed; the accepted
+        # drafts (num_tokens - 1 of this step's tokens) stay, the rest is cropped.
+        self.cache.crop(torch.minimum(self.cache.lengths, self.committed + num_tokens - 1))
+        self.committed = self.committed + num_tokens
+        self.longest += N
+        self.unread += N
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache = self.cache.select(rows)
+        self.tokens, self.committed = self.tokens[rows], self.committed[rows]
 
 
 @dataclass
 class PromptLookupDraft:
-    """Model-free draft: propose the tokens that followed the most recent earlier occurrence of
-    the context's last n-gram (prompt lookup decoding). Tries n = max_ngram down to min_ngram;
+    """Model-free `Drafter`: propose the tokens that followed the most recent earlier occurrence
+    of the text's last n-gram (prompt lookup decoding). Tries n = max_ngram down to min_ngram;
     rows without a match propose nothing that step. Proposals are deterministic (no draft
-    probabilities), so verification accepts a draft exactly when the target would sample it."""
+    logits), so verification accepts a draft exactly when the target would sample it.
+
+    Example::
+
+        out = speculative_generate(target, PromptLookupDraft(max_ngram=3), input_ids, max_new_tokens=64)
+    """
 
     max_ngram: int = 3
     min_ngram: int = 1
@@ -29,9 +187,29 @@ class PromptLookupDraft:
             raise ValueError(f"min_ngram and max_ngram must be ints with 1 <= min_ngram <= max_ngram, got "
                              f"{self.min_ngram!r}, {self.max_ngram!r}")
 
-    def propose(self, context: torch.Tensor, context_lengths: torch.Tensor, k: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Propose up to ``k`` tokens per row, sync-free.
+    def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int) -> None:
+        B, P = input_ids.shape
+        # One spare column takes the padding of every commit.
+        self.context = torch.zeros(B, max_len + 2, dtype=torch.int64, device=input_ids.device)
+        self.context[:, :P] = input_ids
+        self.lengths = q_seqlens.clone()
+
+    def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
+        ids, num = self.lookup(self.context[:, :-1], self.lengths, num_tokens)
+        return DraftProposal(ids, num, None)
+
+    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        steps = torch.arange(token_ids.shape[1], device=token_ids.device)
+        columns = torch.where(steps < num_tokens[:, None], self.lengths[:, None] + steps, self.context.shape[1] - 1)
+        self.context.scatter_(1, columns, token_ids)
+        self.lengths = self.lengths + num_tokens
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.context, self.lengths = self.context[rows], self.lengths[rows]
+
+    def lookup(self, context: torch.Tensor, context_lengths: torch.Tensor, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Propose up to ``k`` tokens per row of a token history, sync-free (stateless).
 
         Args:
             context: [B, L] int64 token history; row b's first ``context_lengths[b]`` are real.
@@ -79,3 +257,45 @@ class PromptLookupDraft:
         offsets = torch.arange(k, device=device)
         ids = context.gather(1, (start[:, None] + offsets).clamp(max=L - 1))
         return torch.where(offsets < num[:, None], ids, 0), num
+
+
+def _checked_proposal(drafter, proposal, batch_size: int, asked: int, target_logits: torch.Tensor, check
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(token_ids [B, k], num_tokens [B], logits [B, k, V] or None)`` of ``drafter``'s answer to
+    ``propose(asked, ...)``, checked: shapes, dtypes and devices on the host, ids in [0, V) and
+    counts in 0..k on the device (`_LogitsCheck.flag` under "drafter": raised at once on CPU, at the
+    step's transfer on CUDA, where out-of-range values are made harmless until then)."""
+    name = type(drafter).__name__
+    device, V = target_logits.device, target_logits.shape[-1]
+    if not isinstance(proposal, DraftProposal):
+        raise TypeError(f"drafter {name}.propose must return a DraftProposal, got {type(proposal).__name__}")
+    ids, num, logits = proposal.token_ids, proposal.num_tokens, proposal.logits
+    if not (isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.dim() == 2
+            and ids.shape[0] == batch_size and 1 <= ids.shape[1] <= asked and ids.device == device):
+        got = f"{ids.dtype} {list(ids.shape)} on {ids.device}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"drafter {name} proposed token_ids {got}; asked for up to {asked} tokens of "
+                         f"{batch_size} rows, it must return an int64 [{batch_size}, k] tensor with "
+                         f"1 <= k <= {asked} on {device}")
+    k = ids.shape[1]
+    if num is None:
+        num = torch.full((batch_size,), k, dtype=torch.int64, device=device)
+    elif not (isinstance(num, torch.Tensor) and num.dtype == torch.int64 and num.shape == (batch_size,)
+              and num.device == device):
+        got = f"{num.dtype} {list(num.shape)} on {num.device}" if isinstance(num, torch.Tensor) else type(num).__name__
+        raise ValueError(f"drafter {name} proposed num_tokens {got}; it must be None or an int64 "
+                         f"[{batch_size}] tensor on {device}")
+    if logits is not None and not (isinstance(logits, torch.Tensor) and logits.shape == (batch_size, k, V)
+                                   and logits.dtype == target_logits.dtype and logits.device == device):
+        got = (f"{logits.dtype} {list(logits.shape)} on {logits.device}" if isinstance(logits, torch.Tensor)
+               else type(logits).__name__)
+        raise ValueError(f"drafter {name} proposed logits {got}; they must be None or {target_logits.dtype} "
+                         f"[{batch_size}, {k}, {V}] on {device} like the target's")
+    bad_ids = ((ids < 0) | (ids >= V)) & (torch.arange(k, device=device) < num[:, None])
+    bad = bad_ids.any() | ((num < 0) | (num > k)).any()
+    check.flag("drafter", bad, f"drafter {name} proposed token ids outside [0, {V}) or num_tokens outside "
+                               f"0..{k} (the width of its token_ids)")
+    if check.deferred:  # harmless until the step's transfer raises
+        num = num.clamp(0, k)
+    # Padding is fed to the target with the drafts (and never kept): make it a valid id.
+    real = torch.arange(k, device=device) < num[:, None]
+    return torch.where(real, ids.clamp(0, V - 1) if check.deferred else ids, 0), num, logits

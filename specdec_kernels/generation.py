@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import is_int, is_real
+from ._draft_lengths import DraftLengths
 from ._model_calls import (
     _check_model,
     _decoding_forward,
@@ -44,7 +45,7 @@ from ._model_calls import (
     allocating,
 )
 from ._sampling_checks import check_sampling_params
-from .drafts import PromptLookupDraft
+from .drafts import Drafter, ModelDraft, PromptLookupDraft, _checked_proposal
 from .sampling import rejection_sample_logits, sample_logits
 
 # --------------------------------------------------------------------------- results
@@ -61,7 +62,10 @@ class GenerationStats:
             tokens that EOS or the token budget then cut off count too: this measures the draft.
             Without such cuts ``num_generated = 1 + num_steps + num_accepted`` (the first token
             comes from the prefill); with them it is less.
-        target_forwards, draft_forwards: batched forward calls, the prefill included.
+        draft_lengths: [B, K + 1] int64, how many steps row b was asked to draft k = 0 .. K tokens
+            (`speculative_generate`; adaptive speculation chooses them; [B, 1] for `generate`).
+        target_forwards: batched target forward calls, the prefill included.
+        draft_calls: proposals asked of the drafter.
         time_prefill_s: prompt prefill of target and draft; time_draft_prefill_s: the draft
             model's part of it (0 for prompt lookup and plain generation).
         time_target_s, time_draft_s, time_sampler_s: decoding steps' target forwards, drafting
@@ -74,8 +78,9 @@ class GenerationStats:
     num_steps: torch.Tensor
     num_proposed: torch.Tensor
     num_accepted: torch.Tensor
+    draft_lengths: torch.Tensor
     target_forwards: int = 0
-    draft_forwards: int = 0
+    draft_calls: int = 0
     time_prefill_s: float = 0.0
     time_draft_prefill_s: float = 0.0
     time_target_s: float = 0.0
@@ -88,6 +93,13 @@ class GenerationStats:
         """Accepted / proposed draft tokens over the whole batch (nan without proposals)."""
         proposed = int(self.num_proposed.sum())
         return int(self.num_accepted.sum()) / proposed if proposed else float("nan")
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Draft tokens asked for per decoding step, over the whole batch (nan without steps)."""
+        steps = int(self.draft_lengths.sum())
+        lengths = torch.arange(self.draft_lengths.shape[1])
+        return float((self.draft_lengths * lengths).sum()) / steps if steps else float("nan")
 
     @property
     def tokens_per_target_forward(self) -> float:
@@ -131,6 +143,7 @@ class _PhaseTimer:
         self.device = device
         self.cuda = device.type == "cuda"
         self.host: dict[str, float] = {}
+        self.latest: dict[str, float] = {}
         self.events: dict[str, list] = {}
 
     @contextmanager
@@ -145,7 +158,16 @@ class _PhaseTimer:
         else:
             t0 = time.perf_counter()
             yield
-            self.host[phase] = self.host.get(phase, 0.0) + time.perf_counter() - t0
+            self.latest[phase] = time.perf_counter() - t0
+            self.host[phase] = self.host.get(phase, 0.0) + self.latest[phase]
+
+    def last(self, phase: str) -> float:
+        """Seconds of the phase's latest run (0 if none). On CUDA its events must have completed:
+        read after a host synchronization that followed them (the loop's transfer)."""
+        if self.cuda:
+            runs = self.events.get(phase)
+            return runs[-1][0].elapsed_time(runs[-1][1]) / 1e3 if runs else 0.0
+        return self.latest.get(phase, 0.0)
 
     def seconds(self, phase: str) -> float:
         if self.cuda:
@@ -281,6 +303,49 @@ class _Outputs:
         return kept, is_eos.any(1) | (counts >= self.max_new)
 
 
+class _Stream:
+    """Hands each step's accepted tokens to a streamer: an object with ``put(token_ids)`` and
+    ``end()``. The tokens of a step are read in the next step's one transfer (so streaming adds
+    no synchronization) and put in input row order: with one row as a [1, n] int64 tensor (what
+    transformers' ``TextStreamer`` and ``TextIteratorStreamer`` take), with B > 1 as a list of B
+    int64 tensors [n_b], empty for rows that gained nothing. The prompt is not put (transformers'
+    ``generate`` puts it first: a ``TextStreamer(skip_prompt=True)`` would skip the first tokens)."""
+
+    def __init__(self, streamer, batch_size: int) -> None:
+        if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                         and callable(getattr(streamer, "end", None))):
+            raise TypeError(f"streamer must have put(token_ids) and end() methods, got {type(streamer).__name__}")
+        self.streamer, self.batch_size = streamer, batch_size
+        self.rows: list[int] = []
+        self.tokens = torch.empty(0, dtype=torch.int64)
+
+    def add(self, rows: list[int], kept: torch.Tensor, new: torch.Tensor) -> None:
+        """The step's ``new`` [b, T] tokens of the batch's input ``rows``, where ``kept``."""
+        if self.streamer is not None:
+            self.rows, self.tokens = rows, torch.where(kept, new, -1)
+
+    def values(self) -> tuple[torch.Tensor, ...]:
+        """What the next transfer reads for the streamer."""
+        return (self.tokens,) if self.streamer is not None else ()
+
+    def put(self, read: list[int] | None = None) -> None:
+        """Put the tokens of the last `add`, as read in the transfer."""
+        if self.streamer is None or not self.rows:
+            return
+        width = len(read) // len(self.rows)
+        new = {row: [t for t in read[i * width: (i + 1) * width] if t >= 0] for i, row in enumerate(self.rows)}
+        self.rows = []
+        if self.batch_size == 1:
+            if new[0]:
+                self.streamer.put(torch.tensor([new[0]], dtype=torch.int64))
+        else:
+            self.streamer.put([torch.tensor(new.get(row, []), dtype=torch.int64) for row in range(self.batch_size)])
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
+
+
 def _finish(request: _Request, input_ids, outputs: _Outputs, stats: GenerationStats, timer, t_start,
             pad_token_id) -> GenerationOutput:
     tokens = outputs.tokens[:, : request.max_new_tokens]
@@ -291,25 +356,33 @@ def _finish(request: _Request, input_ids, outputs: _Outputs, stats: GenerationSt
     stats.time_target_s, stats.time_draft_s, stats.time_sampler_s = (
         timer.seconds("target"), timer.seconds("draft"), timer.seconds("sampler"))
     stats.num_generated, stats.num_steps = outputs.counts.cpu(), stats.num_steps.cpu()
+    if stats.draft_lengths.shape[1] == 1:  # plain generation: every step drafts nothing
+        stats.draft_lengths[:, 0] = stats.num_steps
     stats.num_proposed, stats.num_accepted = stats.num_proposed.cpu(), stats.num_accepted.cpu()
     stats.time_total_s = time.perf_counter() - t_start
     return GenerationOutput(tokens, torch.cat([input_ids.long(), tokens], 1), stats)
 
 
-def _new_stats(batch_size: int, device) -> GenerationStats:
+def _new_stats(batch_size: int, device, max_drafts: int) -> GenerationStats:
     zeros = lambda: torch.zeros(batch_size, dtype=torch.int64, device=device)
-    return GenerationStats(zeros(), zeros(), zeros(), zeros())
+    lengths = torch.zeros(batch_size, max_drafts + 1, dtype=torch.int64)
+    return GenerationStats(zeros(), zeros(), zeros(), zeros(), lengths)
 
 
 def _rows_still_running(done: torch.Tensor, check: _LogitsCheck, *values: torch.Tensor
-                        ) -> tuple[list[int], list[int]]:
+                        ) -> tuple[list[int], list]:
     """The loop's one host synchronization per step: which batch positions are still running,
-    and the 0-d integer ``values`` (cache lengths, draft counts) read in the same transfer, with
-    the logits check's flags (raising if a model returned logits no token can come from)."""
-    flat = torch.cat([done.long(), check.failed.long(), *(v.view(1).long() for v in values)]).tolist()
+    and ``values`` read in the same transfer (0-d tensors become ints: cache lengths, draft
+    counts, bounds for the next forward; others lists: per-row counts, streamed tokens), with the
+    check's flags (raising if a model returned logits no token can come from)."""
+    flat = torch.cat([done.long(), check.failed.long(), *(v.reshape(-1).long() for v in values)]).tolist()
     B, M = done.shape[0], len(check.names)
     check.raise_if_failed(flat[B: B + M])
-    return [i for i, d in enumerate(flat[:B]) if not d], flat[B + M:]
+    read, at = [], B + M
+    for v in values:
+        read.append(flat[at] if v.dim() == 0 else flat[at: at + v.numel()])
+        at += v.numel()
+    return [i for i, d in enumerate(flat[:B]) if not d], read
 
 
 def _running_range(values: torch.Tensor, done: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,7 +398,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None, seed: int | None = None,
-             max_cache_len: int | None = None, cuda_graphs: bool | None = None) -> GenerationOutput:
+             max_cache_len: int | None = None, cuda_graphs: bool | None = None, streamer=None) -> GenerationOutput:
     """Plain autoregressive generation (the baseline speculative decoding must match).
 
     Args:
@@ -343,38 +416,53 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             once per batch size, attention then reads the whole cache capacity). None (default):
             on CUDA with the built-in `Llama`; True: also for other models whose cache is a
             `KVCache` (their forward must not synchronize); False: never.
+        streamer: an object with ``put(token_ids)`` and ``end()``, given the tokens as they are
+            generated, a step late (one row: [1, n] tensors, so transformers' ``TextStreamer`` works
+            unchanged; B > 1: a list of B tensors [n_b]); ``end()`` once at the end.
 
     Returns:
         `GenerationOutput` with ``tokens`` [B, max_new_tokens] and ``stats``.
+
+    Example::
+
+        out = generate(model, input_ids, max_new_tokens=32, temperature=0,
+                       streamer=transformers.TextStreamer(tokenizer))
     """
     t_start = time.perf_counter()
     request = _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
                        eos_token_id, pad_token_id, seed, max_cache_len, lookahead=0)
     device, B = input_ids.device, input_ids.shape[0]
     graphs = _use_cuda_graphs(cuda_graphs, (model,), device)
-    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
-    rows = torch.arange(B, device=device)  # input row of each batch position
+    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device, 0), _Outputs(B, request.max_new_tokens, device)
+    stream = _Stream(streamer, B)
+    rows, host_rows = torch.arange(B, device=device), list(range(B))  # input row of each batch position
     cache = _new_cache(model, "model", B, request.max_len, device)
     check = _LogitsCheck(device, ("model",))
-    step = check.checked("model", model, _decoding_forward(model, cache, "model", graphs, last_only=True))
+    step = check.checked("model", model.vocab_size, _decoding_forward(model, cache, "model", graphs, last_only=True))
     with timer("prefill"):
-        logits = check("model", model, _last_logits(model, request.prompt, cache, request.prompt_lengths,
-                                                     request.prompt_tokens, max_seqlen=request.prompt.shape[1]))
+        logits = _last_logits(model, request.prompt, cache, request.prompt_lengths, request.prompt_tokens,
+                              max_seqlen=request.prompt.shape[1])
+        logits = check("model", model.vocab_size, logits)
     stats.target_forwards += 1
     while True:
         with timer("sampler"):
             token = request.sample(logits)
-        _, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
-        running, (longest, shortest) = _rows_still_running(done, check, *_running_range(cache.lengths, done))
+        kept, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
+        stream.add(host_rows, kept, token[:, None])
+        running, (longest, shortest, *streamed) = _rows_still_running(
+            done, check, *_running_range(cache.lengths, done), *stream.values())
+        stream.put(*streamed)
         if not running:
             break
         if len(running) < len(rows):
             keep = torch.tensor(running, device=device)
             rows, token, cache = rows[keep], token[keep], cache.select(keep)
+            host_rows = [host_rows[i] for i in running]
         stats.num_steps[rows] += 1
         with timer("target"):
             logits = step(token[:, None], cache, max_seqlen=longest + 1, min_seqlen=shortest + 1)
         stats.target_forwards += 1
+    stream.end()
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
 
@@ -382,182 +470,163 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                         *, num_draft_tokens: int = 4, max_new_tokens: int, temperature: float = 1.0,
-                         top_k: int | None = None, top_p: float | None = None,
+                         *, num_draft_tokens: int = 4, adaptive: bool = True, max_new_tokens: int,
+                         temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                          eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                          seed: int | None = None, max_cache_len: int | None = None,
-                         cuda_graphs: bool | None = None) -> GenerationOutput:
+                         cuda_graphs: bool | None = None, streamer=None) -> GenerationOutput:
     """Lossless speculative decoding, batched over ragged prompts and ragged acceptance.
 
-    Each step the draft proposes ``num_draft_tokens`` (K) tokens per row, the target scores all
-    K+1 positions in one forward, and `rejection_sample_logits` keeps the longest prefix that
-    sampling the target alone would have produced, plus one corrected or bonus token. Rows
-    finish independently; finished rows are dropped from the batch.
+    Each step the drafter proposes up to ``num_draft_tokens`` (K) tokens per row, the target
+    scores them and the row's last token in one forward, and `rejection_sample_logits` keeps the
+    longest prefix that sampling the target alone would have produced, plus one corrected or
+    bonus token. Rows finish independently; finished rows leave the batch. Whatever is drafted,
+    greedy output equals `generate`'s and sampled output follows the target's distribution.
 
     Args:
         target: the model whose distribution is reproduced exactly.
-        draft: a model sharing the target's vocabulary (it samples from the same processed
-            distribution the sampler is given), or ``"prompt_lookup"`` / a `PromptLookupDraft`
-            (model-free n-gram proposals; rows without a match propose nothing).
-        num_draft_tokens: K >= 1 tokens proposed per step (at most ``max_new_tokens - 1`` are:
-            drafts past the budget could never be kept).
+        draft: a `Drafter` (`PromptLookupDraft`, `ModelDraft`, your own), a model following the
+            protocol and sharing the target's vocabulary (wrapped in `ModelDraft`), or
+            ``"prompt_lookup"``.
+        num_draft_tokens: K >= 1, the most tokens a row drafts per step (at most
+            ``max_new_tokens - 1`` are: drafts past the budget could never be kept).
+        adaptive: choose each row's draft length (0 .. K) every step from the acceptance and the
+            draft and verify costs measured in this run (`specdec_kernels._draft_lengths`); a step
+            where no draft pays for its verification decodes plainly. False: K every step.
         other arguments: as in `generate`; the cache capacity also needs room for one step's K
             drafts (default and least: longest prompt + max_new_tokens - 1 + K). With CUDA
-            graphs the target verifies K + 1 positions every step, also for prompt-lookup rows
-            with fewer drafts (padding), so that one graph serves each batch size.
+            graphs one graph is recorded per batch size and verify width.
 
     Returns:
-        `GenerationOutput`; ``stats`` has acceptance counts, forward counts and phase times.
+        `GenerationOutput`; ``stats`` has acceptance counts, the draft lengths chosen, forward
+        counts and phase times.
+
+    Example::
+
+        out = speculative_generate(model, PromptLookupDraft(), input_ids, max_new_tokens=64, temperature=0)
+        print(out.stats.acceptance_rate, out.stats.mean_draft_length)
     """
     if not is_int(num_draft_tokens) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    if not isinstance(adaptive, bool):
+        raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
     _check_model(target, "target")
-    if isinstance(draft, str):
-        if draft != "prompt_lookup":
-            raise ValueError(f"draft must be a model, a PromptLookupDraft or \"prompt_lookup\", got {draft!r}")
-        draft = PromptLookupDraft()
-    lookup = isinstance(draft, PromptLookupDraft)
-    if not lookup:
-        _check_model(draft, "draft")
-        if draft.vocab_size != target.vocab_size:
-            raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft.vocab_size}, "
-                             f"target.vocab_size={target.vocab_size}")
+    drafter = _as_drafter(draft, target, cuda_graphs)
     t_start = time.perf_counter()
     request = _prepare(target, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
                        eos_token_id, pad_token_id, seed, max_cache_len, lookahead=int(num_draft_tokens))
     # Drafts past the token budget could never be kept: at most max_new_tokens - 1 per step (K = 1
     # when that is 0: the prefill's token is then the only one, and no step runs).
-    K = max(1, request.drafts)
+    K, V = max(1, request.drafts), target.vocab_size
     device, B = input_ids.device, input_ids.shape[0]
-    graphs = _use_cuda_graphs(cuda_graphs, (target,) if lookup else (target, draft), device)
-    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device), _Outputs(B, request.max_new_tokens, device)
-    rows = torch.arange(B, device=device)
+    timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device, K), _Outputs(B, request.max_new_tokens, device)
+    stream, lengths = _Stream(streamer, B), DraftLengths(K, B, adaptive)
+    rows, host_rows = torch.arange(B, device=device), list(range(B))
+    cache = _new_cache(target, "target", B, request.max_len, device)
+    check = _LogitsCheck(device, ("target model", "draft model", "drafter"))
+    graphs = _use_cuda_graphs(cuda_graphs, (target,), device)
+    verify = check.checked("target model", V, _decoding_forward(target, cache, "target", graphs, last_only=False))
+    sample_draft = lambda logits: request.sample(check("draft model", V, logits))
 
-    target_cache = _new_cache(target, "target", B, request.max_len, device)
-    check = _LogitsCheck(device, ("target", "draft"))
-    verify = check.checked("target", target, _decoding_forward(target, target_cache, "target", graphs,
-                                                                 last_only=False))
-    with timer("prefill"):
-        logits = check("target", target, _last_logits(target, request.prompt, target_cache, request.prompt_lengths,
-                                                       request.prompt_tokens, max_seqlen=request.prompt.shape[1]))
-    stats.target_forwards += 1
-    if lookup:  # token history: prompt, then everything emitted
-        context = torch.zeros(B, request.prompt.shape[1] + request.max_new_tokens + K + 1, dtype=torch.int64,
-                              device=device)
-        context[:, : request.prompt.shape[1]] = request.prompt
-        context_lengths = request.prompt_lengths.clone()
-    else:
-        draft_cache = _new_cache(draft, "draft", B, request.max_len, device)
-        draft_step = check.checked("draft", draft, _decoding_forward(draft, draft_cache, "draft", graphs,
-                                                                     last_only=True))
-        with timer("draft prefill"):
-            draft_prefill = check("draft", draft, _last_logits(draft, request.prompt, draft_cache,
-                                                               request.prompt_lengths, request.prompt_tokens,
-                                                               max_seqlen=request.prompt.shape[1]))
-        stats.draft_forwards += 1
-        if (draft_prefill.dtype, draft_prefill.device) != (logits.dtype, logits.device):
-            raise ValueError(f"draft must produce logits like the target's ({logits.dtype} on {logits.device}), "
-                             f"got {draft_prefill.dtype} on {draft_prefill.device}")
-        # Tokens the draft has not seen yet: [second to last (if the draft skipped it), last].
-        pending = torch.zeros(B, 2, dtype=torch.int64, device=device)
-        pending_lengths = torch.ones(B, dtype=torch.int64, device=device)
-    with timer("sampler"):
-        last = request.sample(logits)
-    _, done = outputs.write(rows, last[:, None], torch.ones_like(last), request.eos)
-    num_drafts = None
-    if lookup:
-        context.scatter_(1, context_lengths[:, None], last[:, None])
-        context_lengths += 1
+    def propose(asked: list[int], logits_like: torch.Tensor) -> tuple:
+        """The drafter's proposal with each row's count cut to ``asked`` (0 .. K, host ints)."""
+        if max(asked) == 0:  # a plain decoding step
+            return torch.zeros(len(asked), 0, dtype=torch.int64, device=device), torch.zeros_like(rows), None
+        stats.draft_calls += 1
         with timer("draft"):
-            draft_ids, num_drafts = draft.propose(context, context_lengths, K)
-    else:
-        pending[:, 0] = last
+            ids, num, logits = _checked_proposal(drafter, drafter.propose(max(asked), sample_draft), len(asked),
+                                                 max(asked), logits_like, check)
+            if min(asked) < max(asked):
+                num = torch.minimum(num, torch.tensor(asked, device=device))
+        return ids, num, logits
 
+    with timer("prefill"):
+        logits = check("target model", V, _last_logits(target, request.prompt, cache, request.prompt_lengths,
+                                                        request.prompt_tokens, max_seqlen=request.prompt.shape[1]))
+    stats.target_forwards += 1
+    with timer("draft prefill"):
+        drafter.prefill(request.prompt, request.prompt_lengths, request.max_len)
+    with timer("sampler"):
+        token = request.sample(logits)
+    new, accepted = token[:, None], torch.zeros_like(rows)
+    # Drafts a row could keep within its budget: each step gains at least one token, so after
+    # the step before the proposal a row has at most max_new_tokens - (generated + 1) to come.
+    room = lambda generated: [request.max_new_tokens - g - 2 for g in generated]
+    asked, verified, measured, step_start = lengths.choose(host_rows, room([0] * B)), None, None, 0.0
     while True:
-        # Prompt lookup proposes before the check, so that the verify width (1 + the most
-        # drafts any row has) is known on the host without a second synchronization.
-        if lookup:
-            running, (target_longest, target_shortest, widest, fewest_drafts, total_drafts) = _rows_still_running(
-                done, check, *_running_range(target_cache.lengths, done), *_running_range(num_drafts, done),
-                num_drafts.masked_fill(done, 0).sum())
-        else:
-            running, (target_longest, target_shortest, draft_longest, draft_shortest, most_pending,
-                      fewest_pending) = _rows_still_running(
-                done, check, *_running_range(target_cache.lengths, done),
-                *_running_range(draft_cache.lengths, done),
-                *_running_range(pending_lengths, done))
+        kept, done = outputs.write(rows, new, accepted + 1, request.eos)
+        stream.add(host_rows, kept, new)
+        drafter.commit(new, accepted + 1)
+        draft_ids, num_drafts, draft_logits = propose(asked, logits)
+        # The one transfer: finished rows, bounds for the verify forward, this step's drafts and
+        # the last step's acceptance (for the draft lengths), the streamer's tokens.
+        running, (longest, shortest, widest, fewest, total, drafted, accepted_list, generated,
+                  *streamed) = _rows_still_running(
+            done, check, *_running_range(cache.lengths, done), *_running_range(num_drafts, done),
+            num_drafts.masked_fill(done, 0).sum(), num_drafts, accepted, outputs.counts[rows], *stream.values())
+        stream.put(*streamed)
+        now = time.perf_counter()
+        if measured is not None:  # the last step's verify, this step's drafts, the time in between
+            lengths.observe(host_rows, *verified, accepted_list, *measured, timer.last("verify"),
+                            max(asked), timer.last("draft") if max(asked) else 0.0, now - step_start)
+        step_start = now
         if not running:
             break
         if len(running) < len(rows):
             keep = torch.tensor(running, device=device)
-            rows, last, target_cache = rows[keep], last[keep], target_cache.select(keep)
-            if lookup:
-                context, context_lengths = context[keep], context_lengths[keep]
-                draft_ids, num_drafts = draft_ids[keep], num_drafts[keep]
-            else:
-                draft_cache, pending, pending_lengths = draft_cache.select(keep), pending[keep], pending_lengths[keep]
+            rows, token, cache = rows[keep], token[keep], cache.select(keep)
+            draft_ids, num_drafts = draft_ids[keep], num_drafts[keep]
+            draft_logits = None if draft_logits is None else draft_logits[keep]
+            drafter.select(keep)
+            host_rows = [host_rows[i] for i in running]
+            asked, drafted = [asked[i] for i in running], [drafted[i] for i in running]
+            generated = [generated[i] for i in running]
         b = len(rows)
+        verified, measured = (asked, drafted), (b + total,)
 
-        # 1. Draft K tokens (prompt lookup: already proposed, trimmed to the widest row).
-        with timer("draft"):
-            if lookup:  # (a graph verifies all K columns: one graph per batch size)
-                draft_ids, draft_logits = draft_ids[:, :K if graphs else widest], None
-            else:
-                draft_start = draft_cache.lengths.clone()
-                # Bounds on the draft's cache lengths after the pending tokens (plus i after step i).
-                low, high = draft_shortest + fewest_pending, draft_longest + most_pending
-                step_logits = draft_step(pending, draft_cache, pending_lengths, max_seqlen=high, min_seqlen=low)
-                draft_logits = torch.empty(b, K, target.vocab_size, dtype=step_logits.dtype, device=device)
-                draft_ids = torch.empty(b, K, dtype=torch.int64, device=device)
-                for i in range(K):
-                    draft_logits[:, i] = step_logits
-                    draft_ids[:, i] = request.sample(step_logits)
-                    if i + 1 < K:
-                        step_logits = draft_step(draft_ids[:, i: i + 1], draft_cache, max_seqlen=high + i + 1,
-                                                 min_seqlen=low + i + 1)
-                num_drafts = torch.full((b,), K, dtype=torch.int64, device=device)
-        stats.draft_forwards += 0 if lookup else K
-
-        # 2. Verify: the target scores the last token and the drafts in one forward.
-        with timer("target"):
-            target_start = target_cache.lengths.clone()
-            # Every row verifies 1 + K tokens unless prompt lookup left some rows with fewer.
-            ragged = lookup and (widest > 0 or graphs)
-            verify_ids = torch.cat([last[:, None], draft_ids], 1)
-            # Ragged: b + total_drafts real tokens, known on the host (the model may skip padding).
-            q_seqlens, num_tokens = (num_drafts + 1, b + total_drafts) if ragged else (None, None)
-            fewest_verified = fewest_drafts + 1 if ragged else verify_ids.shape[1]
-            target_logits = verify(verify_ids, target_cache, q_seqlens, num_tokens,
-                                   max_seqlen=target_longest + verify_ids.shape[1],
-                                   min_seqlen=target_shortest + fewest_verified)
-        stats.target_forwards += 1
-
-        # 3. Accept a prefix, emit one corrected or bonus token.
-        with timer("sampler"):
-            result = rejection_sample_logits(target_logits, draft_logits, draft_ids, num_drafts,
-                                             **request.sampling, generator=request.generator, validate=False)
-        accepted, emitted = result.num_accepted, result.token_ids
-        last = emitted.gather(1, accepted[:, None])[:, 0]
-
-        # 4. Roll caches back to what was accepted (lengths only) and record the output.
-        target_cache.crop(target_start + accepted + 1)
-        if lookup:
-            _, done = outputs.write(rows, emitted, accepted + 1, request.eos)
-            steps = torch.arange(emitted.shape[1], device=device)
-            columns = torch.where(steps < accepted[:, None] + 1, context_lengths[:, None] + steps, context.shape[1] - 1)
-            context.scatter_(1, columns, emitted.clamp(min=0))
-            context_lengths += accepted + 1
-        else:
-            # The draft saw pending + drafts 1..K-1: keep pending + the accepted ones it saw.
-            draft_cache.crop(draft_start + pending_lengths + accepted.clamp(max=K - 1))
-            all_accepted = accepted == K
-            pending = torch.stack([torch.where(all_accepted, draft_ids[:, -1], last), last], 1)
-            pending_lengths = 1 + all_accepted.long()
-            _, done = outputs.write(rows, emitted, accepted + 1, request.eos)
+        # Verify: the target scores the last token and the drafts in one forward, and the sampler
+        # keeps the longest prefix the target agrees with, plus one token of its own.
+        with timer("verify"):
+            with timer("target"):
+                start = cache.lengths.clone()
+                verify_ids = torch.cat([token[:, None], draft_ids[:, :widest]], 1)
+                ragged = fewest < widest  # rows with fewer drafts: the model may skip their padding
+                target_logits = verify(verify_ids, cache, num_drafts + 1 if ragged else None,
+                                       b + total if ragged else None, max_seqlen=longest + widest + 1,
+                                       min_seqlen=shortest + fewest + 1)
+            stats.target_forwards += 1
+            with timer("sampler"):
+                if widest == 0:
+                    token = request.sample(target_logits[:, 0])
+                    new, accepted = token[:, None], torch.zeros_like(token)
+                else:
+                    result = rejection_sample_logits(
+                        target_logits, None if draft_logits is None else draft_logits[:, :widest],
+                        draft_ids[:, :widest], num_drafts, **request.sampling, generator=request.generator,
+                        validate=False)
+                    new, accepted = result.token_ids.clamp(min=0), result.num_accepted
+                    token = new.gather(1, accepted[:, None])[:, 0]
+        cache.crop(start + accepted + 1)
         stats.num_steps[rows] += 1
         stats.num_proposed[rows] += num_drafts
         stats.num_accepted[rows] += accepted
-        if lookup:
-            with timer("draft"):
-                draft_ids, num_drafts = draft.propose(context, context_lengths, K)
+        asked = lengths.choose(host_rows, room(generated))
+    stream.end()
+    stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
+
+
+def _as_drafter(draft, target, cuda_graphs: bool | None) -> Drafter:
+    """``draft`` as a `Drafter`: drafters as they are, ``"prompt_lookup"`` as a `PromptLookupDraft`,
+    models as a `ModelDraft` (after checking that they share the target's vocabulary)."""
+    if isinstance(draft, str):
+        if draft != "prompt_lookup":
+            raise ValueError(f"draft must be a Drafter, a model or \"prompt_lookup\", got {draft!r}")
+        return PromptLookupDraft()
+    if isinstance(draft, Drafter):
+        return draft
+    _check_model(draft, "draft")
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft.vocab_size}, "
+                         f"target.vocab_size={target.vocab_size}")
+    return ModelDraft(draft, cuda_graphs=cuda_graphs)

@@ -60,7 +60,8 @@ def _output(tokens: torch.Tensor, lengths: list[int] | None = None) -> Generatio
     B = tokens.shape[0]
     num_generated = torch.tensor(lengths) if lengths is not None else torch.full((B,), tokens.shape[1])
     stats = GenerationStats(num_generated=num_generated, num_steps=num_generated - 1,
-                            num_proposed=torch.full((B,), 4), num_accepted=torch.full((B,), 2))
+                            num_proposed=torch.full((B,), 4), num_accepted=torch.full((B,), 2),
+                            draft_lengths=torch.zeros(B, 5, dtype=torch.int64))
     return GenerationOutput(tokens, tokens, stats)
 
 

@@ -1,0 +1,140 @@
+"""How many tokens each row drafts per step: adaptive speculation, from what the run measures.
+
+A step costs about ``O + V(n) + D(w)``: the loop's own time O, a target forward over n tokens
+``V(n) = v0 + v1 n`` (n = running rows + drafts verified) and drafting w tokens ``D(w) = d w``.
+A row asking for k drafts gains, besides the one token every step gives,
+``G(k) = f a (1 - a^k) / (1 - a)`` accepted tokens in expectation: a is its acceptance rate per
+draft token, f the share of the tokens it asks for that it gets (prompt lookup rows without a
+match get none). Each step the policy picks the lengths ``k_b <= K`` that maximize expected
+tokens per second ``sum_b (1 + G_b(k_b)) / (O + V(b + sum_b f_b k_b) + D(max_b k_b))`` by
+Dinkelbach's method: at a trial rate R each row maximizes ``G_b(k) - R v1 f_b k`` under a common
+cap w, and the best cap's rate is the next R. All rows at 0 is a plain decoding step, chosen
+whenever no draft pays for its verification.
+
+Every estimate is forgotten exponentially, step by step (`DECAY`), so it follows the text as
+it changes; a row whose drafts kept failing also drifts back to the prior (a = 1/2) and is
+probed again with one draft token, after enough plain steps that the probes cost little. The
+first two steps draft one token per row: before any measurement nothing is known of the costs.
+
+The estimates live on the host: what they need (accepted counts, draft counts, phase times)
+arrives in the loop's one transfer per step, so choosing adds no synchronization.
+"""
+
+from __future__ import annotations
+
+DECAY = 0.98  # per step: measurements from ~35 steps ago weigh half
+
+
+class _DecayedLine:
+    """Least-squares line ``y = intercept + slope x`` over exponentially forgotten samples; the
+    slope is 0 until the samples' x differ, and never negative (time cannot fall with work)."""
+
+    def __init__(self) -> None:
+        self.w = self.x = self.xx = self.y = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = DECAY
+        self.w, self.x, self.xx = d * self.w + 1, d * self.x + x, d * self.xx + x * x
+        self.y, self.xy = d * self.y + y, d * self.xy + x * y
+
+    @property
+    def seen(self) -> bool:
+        return self.w > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        mean_x, mean_y = self.x / self.w, self.y / self.w
+        spread = self.xx - self.w * mean_x ** 2
+        slope = max(0.0, (self.xy - self.w * mean_x * mean_y) / spread) if spread > 1e-9 * self.w else 0.0
+        return mean_y - slope * mean_x, slope
+
+
+class DraftLengths:
+    """Per-row draft lengths for `speculative_generate`: K for every row (``adaptive=False``) or
+    chosen each step from measured acceptance and costs (see the module docstring).
+
+    Rows are input rows (``0 .. batch_size - 1``); the loop passes the ones still running. The
+    arithmetic is plain Python on a few numbers per row: host work, no tensor to synchronize.
+    ``counts[row][k]`` counts the steps the row was given length k.
+    """
+
+    def __init__(self, max_tokens: int, batch_size: int, adaptive: bool) -> None:
+        self.K, self.adaptive = max_tokens, adaptive
+        # Forgotten sums per row: accepted drafts, rejections (a step that stopped short of its
+        # drafts), tokens asked for and tokens proposed.
+        self.accepted, self.rejected = [0.0] * batch_size, [0.0] * batch_size
+        self.asked, self.got = [0.0] * batch_size, [0.0] * batch_size
+        self.counts = [[0] * (max_tokens + 1) for _ in range(batch_size)]
+        self.verify = _DecayedLine()  # seconds of target forward + sampling vs tokens verified
+        self.draft_seconds = self.draft_tokens = 0.0  # forgotten sums: D(w) = d w
+        self.overhead = None  # seconds per step outside verification and drafting
+
+    def choose(self, rows: list[int], most: list[int]) -> list[int]:
+        """Draft lengths for the batch's ``rows``, in order: 0 .. min(K, ``most``) (per row: more
+        drafts could not all be kept within its token budget)."""
+        if not self.adaptive:
+            lengths = [self.K] * len(rows)
+        elif not (self.verify.seen and self.draft_tokens and self.overhead is not None):
+            lengths = [1] * len(rows)
+        else:
+            lengths = self._best(rows)
+        lengths = [max(0, min(k, m)) for k, m in zip(lengths, most, strict=True)]
+        for row, k in zip(rows, lengths, strict=True):
+            self.counts[row][k] += 1
+        return lengths
+
+    def _best(self, rows: list[int]) -> list[int]:
+        K, b = self.K, len(rows)
+        gains, shares = [], []  # G_b(k) for k = 0 .. K, and f_b
+        for r in rows:
+            a = (self.accepted[r] + 1) / (self.accepted[r] + self.rejected[r] + 2)
+            f = (self.got[r] + 1) / (self.asked[r] + 1)
+            gain, term = [0.0], 1.0
+            for _ in range(K):
+                term *= a
+                gain.append(gain[-1] + f * term)
+            gains.append(gain)
+            shares.append(f)
+        v0, v1 = self.verify.coefficients()
+        d = self.draft_seconds / self.draft_tokens
+        rate, best = b / (self.overhead + v0 + v1 * b), [0] * b  # plain decoding
+        for _ in range(3):
+            # For each cap w, every row's best length k <= w at this rate (ties: the shorter).
+            choices = []  # [row][w]
+            for gain, f in zip(gains, shares, strict=True):
+                top, row_choice = 0, []
+                for k in range(K + 1):
+                    if gain[k] - rate * v1 * f * k > gain[top] - rate * v1 * f * top:
+                        top = k
+                    row_choice.append(top)
+                choices.append(row_choice)
+            best_w, best_rate = None, rate * (1 + 1e-9)
+            for w in range(K + 1):
+                tokens = b + sum(f * c[w] for f, c in zip(shares, choices, strict=True))
+                expected = b + sum(g[c[w]] for g, c in zip(gains, choices, strict=True))
+                seconds = self.overhead + v0 + v1 * tokens + d * max(c[w] for c in choices)
+                if expected / seconds > best_rate:
+                    best_w, best_rate = w, expected / seconds
+            if best_w is None:
+                break
+            rate, best = best_rate, [c[best_w] for c in choices]
+        return best
+
+    def observe(self, rows: list[int], asked: list[int], proposed: list[int], accepted: list[int],
+                verify_tokens: int, verify_s: float, draft_tokens: int, draft_s: float, step_s: float) -> None:
+        """One step's measurements: for each of the batch's ``rows`` the drafts it asked for, got
+        and had accepted; the target forward and sampling (``verify_s`` seconds over
+        ``verify_tokens`` tokens), the next proposal (``draft_s`` seconds for ``draft_tokens``
+        per row, 0 if none was made) and the whole step from one transfer to the next."""
+        for sums in (self.accepted, self.rejected, self.asked, self.got):
+            sums[:] = [DECAY * x for x in sums]
+        for r, k, p, m in zip(rows, asked, proposed, accepted, strict=True):
+            self.asked[r] += k
+            self.got[r] += p
+            self.accepted[r] += m
+            self.rejected[r] += m < p
+        self.verify.add(verify_tokens, verify_s)
+        if draft_tokens:
+            self.draft_seconds = DECAY * self.draft_seconds + draft_s
+            self.draft_tokens = DECAY * self.draft_tokens + draft_tokens
+        rest = max(0.0, step_s - verify_s - draft_s)
+        self.overhead = rest if self.overhead is None else DECAY * self.overhead + (1 - DECAY) * rest
