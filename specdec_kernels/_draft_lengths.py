@@ -14,7 +14,8 @@ whenever no draft pays for its verification.
 Every estimate is forgotten exponentially, step by step (`DECAY`), so it follows the text as
 it changes; a row whose drafts kept failing also drifts back to the prior (a = 1/2) and is
 probed again with one draft token, after enough plain steps that the probes cost little. The
-first two steps draft one token per row: before any measurement nothing is known of the costs.
+first three steps draft one token per row: before costs are measured nothing is known of them
+(the first step's are not used: it pays one-time costs).
 
 The estimates live on the host: what they need (accepted counts, draft counts, phase times)
 arrives in the loop's one transfer per step, so choosing adds no synchronization.
@@ -67,13 +68,14 @@ class DraftLengths:
         self.verify = _DecayedLine()  # seconds of target forward + sampling vs tokens verified
         self.draft_seconds = self.draft_tokens = 0.0  # forgotten sums: D(w) = d w
         self.overhead = None  # seconds per step outside verification and drafting
+        self.steps_seen = 0
 
     def choose(self, rows: list[int], most: list[int]) -> list[int]:
         """Draft lengths for the batch's ``rows``, in order: 0 .. min(K, ``most``) (per row: more
         drafts could not all be kept within its token budget)."""
         if not self.adaptive:
             lengths = [self.K] * len(rows)
-        elif not (self.verify.seen and self.draft_tokens and self.overhead is not None):
+        elif not self._ready():
             lengths = [1] * len(rows)
         else:
             lengths = self._best(rows)
@@ -81,6 +83,15 @@ class DraftLengths:
         for row, k in zip(rows, lengths, strict=True):
             self.counts[row][k] += 1
         return lengths
+
+    def _ready(self) -> bool:
+        """Whether every cost has been measured."""
+        return self.verify.seen and self.draft_tokens > 0 and self.overhead is not None
+
+    def _predicted(self, tokens: float, width: int) -> float:
+        """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row."""
+        v0, v1 = self.verify.coefficients()
+        return self.overhead + v0 + v1 * tokens + self.draft_seconds / self.draft_tokens * width
 
     def _best(self, rows: list[int]) -> list[int]:
         K, b = self.K, len(rows)
@@ -94,9 +105,8 @@ class DraftLengths:
                 gain.append(gain[-1] + f * term)
             gains.append(gain)
             shares.append(f)
-        v0, v1 = self.verify.coefficients()
-        d = self.draft_seconds / self.draft_tokens
-        rate, best = b / (self.overhead + v0 + v1 * b), [0] * b  # plain decoding
+        v1 = self.verify.coefficients()[1]
+        rate, best = b / self._predicted(b, 0), [0] * b  # plain decoding
         for _ in range(3):
             # For each cap w, every row's best length k <= w at this rate (ties: the shorter).
             choices = []  # [row][w]
@@ -111,7 +121,7 @@ class DraftLengths:
             for w in range(K + 1):
                 tokens = b + sum(f * c[w] for f, c in zip(shares, choices, strict=True))
                 expected = b + sum(g[c[w]] for g, c in zip(gains, choices, strict=True))
-                seconds = self.overhead + v0 + v1 * tokens + d * max(c[w] for c in choices)
+                seconds = self._predicted(tokens, max(c[w] for c in choices))
                 if expected / seconds > best_rate:
                     best_w, best_rate = w, expected / seconds
             if best_w is None:
@@ -132,6 +142,12 @@ class DraftLengths:
             self.got[r] += p
             self.accepted[r] += m
             self.rejected[r] += m < p
+        self.steps_seen += 1
+        # The first step pays one-time costs (allocations, kernel choices), and a step that took
+        # far longer than its prediction was preempted or met a new shape: neither tells the
+        # costs of the next steps.
+        if self.steps_seen == 1 or (self._ready() and step_s > 3 * self._predicted(verify_tokens, draft_tokens)):
+            return
         self.verify.add(verify_tokens, verify_s)
         if draft_tokens:
             self.draft_seconds = DECAY * self.draft_seconds + draft_s

@@ -11,7 +11,6 @@ import pytest
 import torch
 from test_attention import CASES as ATTENTION_CASES
 from test_attention import make_inputs, reference_fp32
-from test_generation import V, greedy_divergence_allowed, ragged_prompts
 from test_sampling import CASES as SAMPLER_CASES
 from test_sampling import make_case, noise_for
 
@@ -29,7 +28,7 @@ from specdec_kernels import (
 from specdec_kernels.sampling import make_rejection_noise
 from specdec_kernels.testing import SyncCounter, assert_close
 
-from tiny_models import tiny_llama
+from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 # Top-p cases expect the reference's tokens exactly; the thresholds kernel sums top-p mass in another

@@ -6,38 +6,12 @@ import torch
 from specdec_kernels import PromptLookupDraft, generate, process_logits, speculative_generate
 from specdec_kernels.testing import SyncCounter
 
-from tiny_models import tiny_llama
-
-V = 97
+from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
 
 
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(seed=0, scale=3.0, layers=3)
-
-
-def ragged_prompts(B=6, P=9, seed=0, left=True):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (B, P), generator=g)
-    lengths = torch.randint(1, P + 1, (B,), generator=g)
-    lengths[0] = P
-    positions = torch.arange(P)
-    mask = positions >= P - lengths[:, None] if left else positions < lengths[:, None]
-    return torch.where(mask, ids, 0), mask.long()
-
-
-def greedy_divergence_allowed(model, input_ids, mask, tokens, row, position, gap=1e-4) -> bool:
-    """Whether the target's top-2 logit gap at ``position`` of ``row`` is below ``gap``.
-
-    Plain and speculative decoding compute the same logits with different batch shapes (T=1
-    vs T=K+1 queries), so fp32 rounding differs by ~1e-6 relative; a gap 100x above that
-    cannot flip an argmax, so any divergence where the gap is larger is a real bug."""
-    prompt = input_ids[row][mask[row].bool()]
-    ids = torch.cat([prompt, tokens[row, :position]])[None]
-    with torch.no_grad():
-        logits = model(ids, model.new_cache(1, ids.shape[1]))[0, -1]
-    top2 = logits.topk(2).values
-    return bool(top2[0] - top2[1] < gap)
 
 
 @pytest.mark.parametrize("k, left", [(1, True), (3, False), (4, True), (7, False)],

@@ -1,0 +1,335 @@
+"""The Drafter protocol: user drafters, proposals checked, per-row draft lengths, adaptive
+speculation, streaming."""
+
+import time
+
+import pytest
+import torch
+
+from specdec_kernels import (
+    DeviceCheckError,
+    Drafter,
+    DraftProposal,
+    ModelDraft,
+    PromptLookupDraft,
+    generate,
+    speculative_generate,
+)
+from specdec_kernels._draft_lengths import DraftLengths
+
+from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0, scale=3.0, layers=3)
+
+
+class Oracle:
+    """Proposes the target's own greedy continuation (known in advance): every draft is right."""
+
+    def __init__(self, continuation: torch.Tensor) -> None:
+        self.continuation = continuation  # [B, N]
+
+    def prefill(self, input_ids, q_seqlens, max_len):
+        self.rows = torch.arange(input_ids.shape[0])
+        self.committed = torch.zeros(input_ids.shape[0], dtype=torch.int64)
+
+    def propose(self, num_tokens, sample):
+        columns = (self.committed[:, None] + torch.arange(num_tokens)).clamp(max=self.continuation.shape[1] - 1)
+        return DraftProposal(self.continuation[self.rows].gather(1, columns))
+
+    def commit(self, token_ids, num_tokens):
+        self.committed = self.committed + num_tokens
+
+    def select(self, rows):
+        self.rows, self.committed = self.rows[rows], self.committed[rows]
+
+
+class Hostile:
+    """Random tokens and random lengths within bounds, with or without (random) draft logits."""
+
+    def __init__(self, seed: int, with_logits: bool) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.with_logits = with_logits
+
+    def prefill(self, input_ids, q_seqlens, max_len):
+        self.B = input_ids.shape[0]
+
+    def propose(self, num_tokens, sample):
+        ids = torch.randint(0, V, (self.B, num_tokens), generator=self.generator)
+        num = torch.randint(0, num_tokens + 1, (self.B,), generator=self.generator)
+        logits = torch.randn(self.B, num_tokens, V, generator=self.generator) if self.with_logits else None
+        return DraftProposal(ids, num, logits)
+
+    def commit(self, token_ids, num_tokens):
+        assert (num_tokens >= 1).all() and token_ids.shape[0] == self.B
+
+    def select(self, rows):
+        self.B = len(rows)
+
+
+class RepeatLastToken:
+    """The example drafter of `specdec_kernels.drafts`' docstring, as written there."""
+
+    def prefill(self, input_ids, q_seqlens, max_len):
+        self.last = input_ids.gather(1, (q_seqlens - 1)[:, None])  # [B, 1]
+
+    def propose(self, num_tokens, sample):
+        return DraftProposal(self.last.expand(-1, num_tokens), None, None)
+
+    def commit(self, token_ids, num_tokens):
+        self.last = token_ids.gather(1, (num_tokens - 1)[:, None])
+
+    def select(self, rows):
+        self.last = self.last[rows]
+
+
+def assert_greedy_equal(target, ids, mask, plain, spec, allowances=1):
+    differing = 0
+    for row in range(ids.shape[0]):
+        differ = (plain.tokens[row] != spec.tokens[row]).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(target, ids, mask, plain.tokens, row, int(differ[0])), row
+            differing += 1
+    assert differing <= allowances
+
+
+def test_the_docstring_example_drafter_runs(target):
+    import specdec_kernels.drafts as drafts
+
+    assert "class RepeatLastToken:" in drafts.__doc__
+    assert isinstance(RepeatLastToken(), Drafter)
+    ids, mask = ragged_prompts(B=3, left=False)
+    plain = generate(target, ids, mask, max_new_tokens=10, temperature=0)
+    spec = speculative_generate(target, RepeatLastToken(), ids, mask, max_new_tokens=10, temperature=0)
+    assert_greedy_equal(target, ids, mask, plain, spec)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_oracle_drafts_are_always_accepted(target, adaptive):
+    ids, mask = ragged_prompts(B=4)
+    plain = generate(target, ids, mask, max_new_tokens=21, temperature=0)
+    beyond = generate(target, ids, mask, max_new_tokens=21 + 4, temperature=0)  # drafts past the budget are right too
+    spec = speculative_generate(target, Oracle(beyond.tokens), ids, mask, num_draft_tokens=4, max_new_tokens=21,
+                                temperature=0, adaptive=adaptive)
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert spec.stats.acceptance_rate == 1.0
+    if not adaptive:  # 20 tokens after the prefill's, 5 per step
+        assert spec.stats.num_steps.tolist() == [4] * 4
+        assert spec.stats.tokens_per_target_forward == 5.0
+
+
+@pytest.mark.parametrize("with_logits", [False, True])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_a_hostile_drafter_cannot_change_greedy_output(target, with_logits, adaptive):
+    ids, mask = ragged_prompts(B=5, seed=3)
+    plain = generate(target, ids, mask, max_new_tokens=16, temperature=0)
+    spec = speculative_generate(target, Hostile(0, with_logits), ids, mask, num_draft_tokens=3, max_new_tokens=16,
+                                temperature=0, adaptive=adaptive)
+    assert_greedy_equal(target, ids, mask, plain, spec)
+
+
+def test_rows_finish_at_different_steps(target):
+    ids, mask = ragged_prompts(B=6, seed=5)
+    plain = generate(target, ids, mask, max_new_tokens=20, temperature=0)
+    eos = int(plain.tokens[2, 3])  # ends row 2 (and maybe others) early
+    plain = generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=eos)
+    assert len(set(plain.stats.num_generated.tolist())) > 1
+    for draft in (PromptLookupDraft(), target.truncated(1), Oracle(plain.tokens)):
+        for adaptive in (False, True):
+            spec = speculative_generate(target, draft, ids, mask, max_new_tokens=20, temperature=0,
+                                        eos_token_id=eos, adaptive=adaptive)
+            assert_greedy_equal(target, ids, mask, plain, spec)
+
+
+def test_adaptive_and_fixed_give_the_same_greedy_tokens(target):
+    ids, mask = ragged_prompts(B=6, seed=8)
+    for draft in (PromptLookupDraft(), target.truncated(2), tiny_llama(seed=7, scale=3.0, layers=1)):
+        fixed = speculative_generate(target, draft, ids, mask, num_draft_tokens=4, max_new_tokens=24,
+                                     temperature=0, adaptive=False)
+        adaptive = speculative_generate(target, draft, ids, mask, num_draft_tokens=4, max_new_tokens=24,
+                                        temperature=0, adaptive=True)
+        assert_greedy_equal(target, ids, mask, fixed, adaptive)
+
+
+class Scripted(Oracle):
+    """The oracle's tokens, cut to a scripted count per row and step (0 included)."""
+
+    def __init__(self, continuation, script):
+        super().__init__(continuation)
+        self.script, self.step = script, 0
+
+    def propose(self, num_tokens, sample):
+        proposal = super().propose(num_tokens, sample)
+        num = torch.tensor(self.script[self.step % len(self.script)])[self.rows].clamp(max=num_tokens)
+        self.step += 1
+        return DraftProposal(proposal.token_ids, num)
+
+
+def test_per_row_draft_lengths_including_zero_in_one_step(target):
+    ids, mask = ragged_prompts(B=4, seed=2)
+    plain = generate(target, ids, mask, max_new_tokens=18, temperature=0)
+    script = [[0, 3, 1, 2], [2, 0, 3, 0], [0, 0, 0, 0]]
+    spec = speculative_generate(target, Scripted(plain.tokens, script), ids, mask, num_draft_tokens=3,
+                                max_new_tokens=18, temperature=0, adaptive=False)
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert spec.stats.acceptance_rate == 1.0
+    assert (spec.stats.num_proposed < 3 * spec.stats.num_steps).all()
+
+
+def test_the_policy_cuts_each_row_to_its_own_length():
+    """Rows whose drafts fail get 0 while rows whose drafts are accepted keep drafting, in the
+    same step; with nothing measured yet every row drafts one token."""
+    policy = DraftLengths(4, 3, adaptive=True)
+    assert policy.choose([0, 1, 2], [9, 9, 9]) == [1, 1, 1]
+    for _ in range(20):
+        policy.observe([0, 1, 2], [4, 4, 4], [4, 4, 4], [4, 0, 4], verify_tokens=15, verify_s=0.012,
+                       draft_tokens=4, draft_s=0.001, step_s=0.014)
+        policy.observe([0, 1, 2], [1, 1, 1], [1, 1, 1], [1, 0, 1], verify_tokens=6, verify_s=0.0105,
+                       draft_tokens=1, draft_s=0.0003, step_s=0.011)
+    lengths = policy.choose([0, 1, 2], [9, 9, 2])
+    assert lengths[0] == 4 and lengths[1] == 0 and lengths[2] == 2  # row 2: only 2 fit its budget
+    assert policy.counts[1][0] == 1
+
+
+def test_the_policy_decodes_plainly_when_drafting_cannot_pay():
+    policy = DraftLengths(4, 2, adaptive=True)
+    for _ in range(10):  # drafts never accepted, verification as costly per token as decoding
+        policy.observe([0, 1], [2, 2], [2, 2], [0, 0], verify_tokens=6, verify_s=0.030, draft_tokens=2,
+                       draft_s=0.02, step_s=0.05)
+        policy.observe([0, 1], [0, 0], [0, 0], [0, 0], verify_tokens=2, verify_s=0.010, draft_tokens=0,
+                       draft_s=0.0, step_s=0.011)
+    assert policy.choose([0, 1], [9, 9]) == [0, 0]
+
+
+class SlowAndWrong(Oracle):
+    """Never right, and as slow as a target forward per proposal."""
+
+    def propose(self, num_tokens, sample):
+        time.sleep(0.005)
+        return super().propose(num_tokens, sample)
+
+
+def test_a_useless_draft_costs_few_draft_steps(target):
+    """A costly draft that is never right: adaptive speculation stops asking for it after its
+    first probes."""
+    ids, mask = ragged_prompts(B=2, seed=4)
+    plain = generate(target, ids, mask, max_new_tokens=60, temperature=0)
+    spec = speculative_generate(target, SlowAndWrong((plain.tokens + 1) % V), ids, mask, num_draft_tokens=4,
+                                max_new_tokens=60, temperature=0)
+    assert torch.equal(spec.tokens, plain.tokens)
+    drafting_steps = spec.stats.draft_lengths[:, 1:].sum(1)
+    assert (drafting_steps <= 4).all(), spec.stats.draft_lengths
+    assert spec.stats.num_accepted.sum() == 0
+
+
+def test_sampling_with_adaptive_lengths_keeps_the_target_distribution(target):
+    """Chi-square of the second generated token over many seeds: adaptive speculation with a
+    model draft samples what plain generation samples."""
+    from scipy.stats import chi2_contingency
+
+    ids = torch.tensor([[5, 17, 33]])
+    n = 400
+    draft = tiny_llama(seed=7, scale=3.0, layers=1)
+    counts_plain, counts_spec = torch.zeros(V), torch.zeros(V)
+    for seed in range(n):
+        counts_plain[generate(target, ids, max_new_tokens=2, seed=seed).tokens[0, 1]] += 1
+        counts_spec[speculative_generate(target, draft, ids, max_new_tokens=2, seed=10_000 + seed,
+                                         num_draft_tokens=1).tokens[0, 1]] += 1
+    keep = (counts_plain + counts_spec) >= 10  # the chi-square approximation needs counts
+    assert int(keep.sum()) >= 5
+    assert chi2_contingency(torch.stack([counts_plain[keep], counts_spec[keep]]).numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda B, k: DraftProposal(torch.full((B, k), V)), r"token ids outside \[0, 97\)"),
+    (lambda B, k: DraftProposal(torch.full((B, k), -1)), r"token ids outside \[0, 97\)"),
+    (lambda B, k: DraftProposal(torch.zeros(B, k, dtype=torch.int64), torch.full((B,), k + 1)),
+     r"num_tokens outside 0\.\."),
+    (lambda B, k: DraftProposal(torch.zeros(B, k + 1, dtype=torch.int64)), r"1 <= k <= "),
+    (lambda B, k: DraftProposal(torch.zeros(B + 1, k, dtype=torch.int64)), r"token_ids"),
+    (lambda B, k: DraftProposal(torch.zeros(B, k, dtype=torch.int32)), r"token_ids torch.int32"),
+    (lambda B, k: DraftProposal(torch.zeros(B, k, dtype=torch.int64), torch.zeros(B, dtype=torch.int32)),
+     r"num_tokens torch.int32"),
+    (lambda B, k: DraftProposal(torch.zeros(B, k, dtype=torch.int64), None, torch.zeros(B, k, V + 1)),
+     r"logits torch.float32 \[\d+, \d+, 98\]"),
+    (lambda B, k: (torch.zeros(B, k, dtype=torch.int64), None), r"must return a DraftProposal"),
+])
+def test_a_bad_proposal_is_a_clear_error_naming_the_drafter(target, bad, message):
+    class Bad(RepeatLastToken):
+        def propose(self, num_tokens, sample):
+            return bad(self.last.shape[0], num_tokens)
+
+    ids, mask = ragged_prompts(B=3)
+    with pytest.raises((ValueError, TypeError, DeviceCheckError), match=message) as error:
+        speculative_generate(target, Bad(), ids, mask, max_new_tokens=6, temperature=0, adaptive=False)
+    assert "drafter Bad" in str(error.value)
+
+
+def test_model_drafts_sample_what_the_loop_samples(target):
+    """ModelDraft samples through the ``sample`` function it is given and returns the logits it
+    sampled from."""
+    ids, mask = ragged_prompts(B=2)
+    draft = ModelDraft(target.truncated(1))
+    draft.prefill(ids[:, :5], torch.tensor([5, 5]), 32)
+    draft.commit(torch.tensor([[3], [4]]), torch.tensor([1, 1]))
+    seen = []
+    proposal = draft.propose(3, lambda logits: seen.append(logits.clone()) or logits.argmax(-1))
+    assert proposal.token_ids.shape == (2, 3) and proposal.num_tokens is None
+    assert torch.equal(proposal.logits, torch.stack(seen, 1))
+    assert torch.equal(proposal.token_ids, proposal.logits.argmax(-1))
+
+
+class Recording:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.chunks, self.ended = [], 0
+
+    def put(self, token_ids) -> None:
+        assert not self.ended
+        self.chunks.append(token_ids)
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+@pytest.mark.parametrize("loop", ["generate", "lookup", "model", "fixed-model"])
+@pytest.mark.parametrize("B", [1, 4])
+def test_streamed_tokens_are_the_returned_tokens(target, loop, B):
+    ids, mask = ragged_prompts(B=B, seed=6)
+    streamer = Recording()
+    kwargs = dict(max_new_tokens=14, temperature=0, streamer=streamer, eos_token_id=5)
+    if loop == "generate":
+        out = generate(target, ids, mask, **kwargs)
+    else:
+        draft = PromptLookupDraft() if loop == "lookup" else target.truncated(1)
+        out = speculative_generate(target, draft, ids, mask, adaptive=loop != "fixed-model", **kwargs)
+    assert streamer.ended == 1
+    if B == 1:
+        assert all(c.dim() == 2 and c.shape[0] == 1 and c.shape[1] >= 1 for c in streamer.chunks)
+        assert torch.cat([c[0] for c in streamer.chunks]).tolist() == out.row_tokens(0)
+    else:
+        assert all(isinstance(c, list) and len(c) == B for c in streamer.chunks)
+        for row in range(B):
+            assert torch.cat([c[row] for c in streamer.chunks]).tolist() == out.row_tokens(row)
+
+
+def test_transformers_text_streamer_works_unchanged(target, capsys):
+    transformers = pytest.importorskip("transformers")
+
+    class Tokenizer:  # what TextStreamer asks of a tokenizer
+        def decode(self, ids, **kwargs):
+            return "".join(f"<{i}>" for i in ids)
+
+    ids = torch.tensor([[5, 17, 33, 2]])
+    out = generate(target, ids, max_new_tokens=8, temperature=0,
+                   streamer=transformers.TextStreamer(Tokenizer()))
+    printed = capsys.readouterr().out
+    assert printed.strip() == "".join(f"<{i}>" for i in out.row_tokens(0))
+
+
+def test_streamer_must_have_put_and_end(target):
+    with pytest.raises(TypeError, match="streamer must have put"):
+        generate(target, torch.tensor([[1, 2]]), max_new_tokens=2, streamer=print)
