@@ -7,9 +7,11 @@ tensor, and a file that cannot be read, are errors naming the tensor and the fil
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +89,13 @@ def _weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     return [folder / f for f in sorted(set(weight_map.values()))], weight_map
 
 
-# The tensors of each layer in a Hugging Face checkpoint, with their shapes in config fields.
+# The tensors of a Hugging Face checkpoint outside its layers, and of each layer, with their
+# shapes in config fields.
+_HF_SHAPES = {
+    "model.embed_tokens.weight": ("vocab_size", "hidden_size"),
+    "model.norm.weight": ("hidden_size",),
+    "lm_head.weight": ("vocab_size", "hidden_size"),
+}
 _HF_LAYER_SHAPES = {
     "self_attn.q_proj.weight": ("num_attention_heads * head_dim", "hidden_size"),
     "self_attn.k_proj.weight": ("num_key_value_heads * head_dim", "hidden_size"),
@@ -102,38 +110,54 @@ _HF_LAYER_SHAPES = {
 # Rotary frequencies that old transformers versions saved in each layer: ignored (they follow
 # from rope_theta and head_dim), as transformers ignores them, but checked for their shape.
 _HF_INV_FREQ = "self_attn.rotary_emb.inv_freq"
+_HF_LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)")
 
 
-def hf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
-    """Every tensor a Hugging Face checkpoint of ``config`` holds (named as in
-    ``LlamaForCausalLM.state_dict()``), with its shape as products of config fields, e.g.
-    ``("num_key_value_heads * head_dim", "hidden_size")``; ``lm_head.weight`` only when the
-    embeddings are not tied."""
-    shapes = {"model.embed_tokens.weight": ("vocab_size", "hidden_size"), "model.norm.weight": ("hidden_size",)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = ("vocab_size", "hidden_size")
+def hf_tensor(config: LlamaConfig, name: str) -> tuple[tuple[str, ...], bool] | None:
+    """The shape of tensor ``name`` (as in ``LlamaForCausalLM.state_dict()``) in a Hugging Face
+    checkpoint of ``config``, as products of config fields (e.g. ``("num_key_value_heads *
+    head_dim", "hidden_size")``), and whether the checkpoint must hold it (``lm_head.weight`` only
+    when the embeddings are not tied; old rotary frequencies never); None for a name that is none
+    of its tensors. Read from the name alone: a config may name more layers than could be listed."""
+    layer = _HF_LAYER.fullmatch(name)
+    if layer is None:
+        shape = _HF_SHAPES.get(name)
+        return None if shape is None else (shape, name != "lm_head.weight" or not config.tie_word_embeddings)
+    if int(layer[1]) >= config.num_hidden_layers:
+        return None
+    if layer[2] == _HF_INV_FREQ:
+        return ("head_dim / 2",), False
+    shape = _HF_LAYER_SHAPES.get(layer[2])
+    return None if shape is None else (shape, True)
+
+
+def hf_required_tensors(config: LlamaConfig) -> Iterator[str]:
+    """The names of the tensors a Hugging Face checkpoint of ``config`` must hold, in
+    ``state_dict()`` order; a generator, as `hf_tensor` reads names."""
+    yield from (name for name in _HF_SHAPES if hf_tensor(config, name)[1])
     for i in range(config.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in _HF_LAYER_SHAPES.items()})
-    return shapes
+        yield from (f"model.layers.{i}.{name}" for name in _HF_LAYER_SHAPES)
 
 
 def _size(config: LlamaConfig, expression: str) -> int:
-    """The size a shape expression of `hf_tensor_shapes` names: config fields joined by ``" * "``,
+    """The size a shape expression of `hf_tensor` names: config fields joined by ``" * "``,
     optionally followed by ``" / 2"``."""
     product, _, divisor = expression.partition(" / ")
     return math.prod(getattr(config, name) for name in product.split(" * ")) // int(divisor or 1)
 
 
-def _listed(names: list[str], files: dict[str, str] | None = None, most: int = 3) -> str:
-    """``names`` for an error message: the first ``most``, and the files they are in when ``files`` is given."""
-    listed = ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+def _listed(names: list[str], files: dict[str, str] | None = None, most: int = 3, total: int | None = None) -> str:
+    """``names`` (of ``total`` in all, by default as many as given) for an error message: the first
+    ``most``, and the files they are in when ``files`` is given."""
+    total = len(names) if total is None else total
+    listed = ", ".join(names[:most]) + (f", ... ({total} in all)" if total > most else "")
     return listed + (f" (in {', '.join(sorted({files[n] for n in names}))})" if files else "")
 
 
 def _layers_hint(names: Any, config: LlamaConfig, config_where: str) -> str:
     """Where the layers the weights hold differ from ``num_hidden_layers``, a sentence that says so."""
     held = sorted({int(m[1]) for name in names if (m := re.match(r"model\.layers\.(\d+)\.", name))})
-    if held == list(range(config.num_hidden_layers)):
+    if len(held) == config.num_hidden_layers and held == list(range(len(held))):
         return ""
     span = f"0-{len(held) - 1}" if held == list(range(len(held))) else ", ".join(map(str, held))
     return (f"; the weights hold {len(held)} layers ({span}) and {config_where} says "
@@ -143,8 +167,9 @@ def _layers_hint(names: Any, config: LlamaConfig, config_where: str) -> str:
 def check_hf_state(state: dict[str, torch.Tensor], config: LlamaConfig, files: dict[str, str] | None = None,
                    config_where: str = "the config") -> dict[str, torch.Tensor]:
     """``state`` (a Hugging Face ``LlamaForCausalLM`` state dict) keyed by the names of
-    `hf_tensor_shapes`, after checking that it holds every one of those tensors once, with the
-    shape ``config`` implies and a floating-point dtype, and nothing else. Names without the
+    ``LlamaForCausalLM.state_dict()``, after checking that it holds every tensor a checkpoint of
+    ``config`` must hold (`hf_required_tensors`) once, with the shape ``config`` implies
+    (`hf_tensor`) and a floating-point dtype, and nothing else. Names without the
     ``model.`` prefix (a ``LlamaModel``'s) count as with it. With tied embeddings an
     ``lm_head.weight`` may be there if it equals ``model.embed_tokens.weight``.
 
@@ -157,30 +182,32 @@ def check_hf_state(state: dict[str, torch.Tensor], config: LlamaConfig, files: d
             dtype; the message names the tensor and its file.
     """
     files = files or dict.fromkeys(state, "the state dict")
-    named: dict[str, str] = {}  # name as in `hf_tensor_shapes` -> name in ``state``
+    named: dict[str, str] = {}  # name as in ``LlamaForCausalLM.state_dict()`` -> name in ``state``
     for name in state:
         key = name if name.startswith("model.") or name == "lm_head.weight" else f"model.{name}"
         if key in named:
             raise ValueError(f"{named[key]} (in {files[named[key]]}) and {name} (in {files[name]}) are the same "
                              "tensor under two names: a tensor may be there only once")
         named[key] = name
-    expected = hf_tensor_shapes(config)
-    optional = {f"model.layers.{i}.{_HF_INV_FREQ}": ("head_dim / 2",) for i in range(config.num_hidden_layers)}
-    if config.tie_word_embeddings:
-        optional["lm_head.weight"] = ("vocab_size", "hidden_size")
+    tensors = {key: hf_tensor(config, key) for key in named}
     hint = _layers_hint(named, config, config_where)
-    missing = [key for key in expected if key not in named]
-    if missing:
-        if "lm_head.weight" in missing:
+    # Counted rather than listed: a config may name more layers than could be listed.
+    required = (sum(hf_tensor(config, name)[1] for name in _HF_SHAPES)
+                + len(_HF_LAYER_SHAPES) * config.num_hidden_layers)
+    present = sum(1 for tensor in tensors.values() if tensor is not None and tensor[1])
+    if present < required:
+        missing = list(itertools.islice((key for key in hf_required_tensors(config) if key not in named), 3))
+        if "lm_head.weight" not in named and not config.tie_word_embeddings:
             hint += ("; if the LM head is the input embedding (tied), set tie_word_embeddings to true in "
                      f"{config_where}")
-        raise ValueError(f"missing tensors: {_listed(missing)}; {config_where} implies them{hint}")
-    unused = [named[key] for key in named if key not in expected and key not in optional]
+        raise ValueError(f"missing tensors: {_listed(missing, total=required - present)}; {config_where} implies "
+                         f"them{hint}")
+    unused = [named[key] for key, tensor in tensors.items() if tensor is None]
     if unused:
         raise ValueError(f"unused tensors: {_listed(unused, files)}; every tensor must belong to the model "
                          f"{config_where} describes{hint}")
     for key, name in named.items():
-        tensor, shape = state[name], {**expected, **optional}[key]
+        tensor, shape = state[name], tensors[key][0]
         sizes = tuple(_size(config, expression) for expression in shape)
         if tuple(tensor.shape) != sizes:
             raise ValueError(f"{name} (in {files[name]}) has shape {tuple(tensor.shape)}, but {config_where} "

@@ -7,7 +7,7 @@ is an error naming the field, never a silently different model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from ._checks import is_int, is_real
@@ -55,6 +55,10 @@ class LlamaConfig:
         for name in ("rms_norm_eps", "rope_theta"):
             _check_positive(name, getattr(self, name), integer=False)
             setattr(self, name, float(getattr(self, name)))
+        if self.rms_norm_eps > _FLOAT32_MAX:
+            raise ValueError(f"rms_norm_eps must be at most float32's largest value ({_FLOAT32_MAX:.4g}), got "
+                             f"{self.rms_norm_eps!r}: the norms compute in float32, where it would be infinite "
+                             "and every norm's output 0")
         if not isinstance(self.tie_word_embeddings, bool):
             raise TypeError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         _check_rope_scaling(self.rope_scaling)
@@ -63,9 +67,12 @@ class LlamaConfig:
     def from_hf(cls, hf_config: Any) -> LlamaConfig:
         """From a ``transformers`` LlamaConfig (or its ``to_dict()``), old and new rope layouts alike.
 
+        A missing or null ``num_key_value_heads`` means one per query head, as in transformers
+        (configs written before grouped-query attention lack it).
+
         Raises:
-            TypeError, ValueError: a value `LlamaConfig` refuses, or a variant this decoder does not
-                compute (another model type, biases, another activation).
+            TypeError, ValueError: a value `LlamaConfig` refuses, a size missing, or a variant this
+                decoder does not compute (another model type, biases, another activation).
         """
         d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         if d.get("model_type", "llama") not in ("llama", "mistral"):
@@ -76,6 +83,12 @@ class LlamaConfig:
                 raise ValueError(f"{key}=True is not supported (the built-in Llama has no biases)")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (the built-in Llama uses silu)")
+        if d.get("num_key_value_heads") is None and "num_attention_heads" in d:
+            d = {**d, "num_key_value_heads": d["num_attention_heads"]}
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} missing: a Llama config gives the model's sizes (vocab_size, "
+                             "hidden_size, intermediate_size, num_hidden_layers, num_attention_heads)")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             raise TypeError(f"rope_scaling must be a dict or null, got {rope!r}")
@@ -92,6 +105,9 @@ class LlamaConfig:
             _check_positive("sliding_window", window, integer=True)
             config.max_position_embeddings = min(config.max_position_embeddings, window)
         return config
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check_positive(name: str, value: Any, *, integer: bool) -> None:

@@ -212,6 +212,11 @@ def smollm2_folder() -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
+        if target.exists():  # another user's shared cache, damaged since: say why it needs writing
+            raise ModelNotInstalledError(f"{target} is not a complete conversion (a file is missing or differs from "
+                                         f"what its conversion recorded) and {folder} cannot be written to convert "
+                                         f"it again ({e}); ask its owner to delete it, or set "
+                                         "SPECDEC_KERNELS_CACHE to a writable folder") from e
         raise ModelNotInstalledError(f"cannot write the converted model to {folder} ({e}); set "
                                      "SPECDEC_KERNELS_CACHE to a writable folder") from e
     with _conversion_lock(folder) as locked:

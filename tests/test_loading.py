@@ -6,6 +6,7 @@ other users."""
 import json
 import math
 import stat
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,8 @@ CONFIG_CASES = {
                             r"missing tensors: model\.layers\.2\.self_attn\.q_proj\.weight.*num_hidden_layers=3"),
     "eps-negative": (dict(rms_norm_eps=-1), ValueError, "rms_norm_eps must be a positive finite number, got -1"),
     "eps-nan": (dict(rms_norm_eps=math.nan), ValueError, "rms_norm_eps must be a positive finite number, got nan"),
+    "eps-past-float32": (dict(rms_norm_eps=1e300), ValueError,  # inf in the norms' float32: zero logits
+                         "rms_norm_eps must be at most float32's largest value"),
     "theta-negative": (dict(rope_theta=-5), ValueError, "rope_theta must be a positive finite number, got -5"),
     "theta-inf": (dict(rope_theta=math.inf), ValueError, "rope_theta must be a positive finite number, got inf"),
     "kv-heads-0": (dict(num_key_value_heads=0), ValueError, "num_key_value_heads must be a positive int, got 0"),
@@ -97,6 +100,35 @@ def test_shapes_are_checked_against_the_config_naming_the_tensor_expected_and_ac
     assert str(raised.value) == (
         f"model.layers.0.self_attn.k_proj.weight (in {folder / 'model.safetensors'}) has shape (32, 64), but "
         f"{folder / 'config.json'} implies (16, 64) = (num_key_value_heads * head_dim, hidden_size)")
+
+
+def test_a_config_naming_absurdly_many_layers_is_refused_without_listing_them(folder):
+    """Every expected tensor was listed before comparing, so num_hidden_layers=2**62 took all the
+    memory there was. The missing ones are counted now, and only the first are listed."""
+    edit_config(folder, num_hidden_layers=10**6)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.2\.self_attn\.q_proj\.weight, .*"
+                                             r"\(8999982 in all\).*hold 2 layers \(0-1\).*num_hidden_layers=1000000"):
+            Llama.from_pretrained(folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+    edit_config(folder, num_hidden_layers=2**62)
+    with pytest.raises(ValueError, match=rf"\({9 * 2**62 - 18} in all\)"):
+        Llama.from_pretrained(folder)
+
+
+def test_a_config_without_a_size_names_it_and_one_without_kv_heads_has_one_per_head(folder):
+    """A missing size raised Python's own "__init__() missing 1 required positional argument"."""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
+    with pytest.raises(ValueError, match=rf"{folder / 'config.json'}: hidden_size missing: a Llama config gives"):
+        Llama.from_pretrained(folder)
+    sizes = dict(vocab_size=97, hidden_size=64, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4)
+    for kv_heads in ({}, {"num_key_value_heads": None}):  # transformers' default: multi-head attention
+        assert LlamaConfig.from_hf({**sizes, **kv_heads}).num_key_value_heads == 4
 
 
 def test_config_values_are_checked_when_a_config_is_built():
@@ -291,6 +323,28 @@ def test_the_converted_folder_is_readable_by_other_users(stub_conversion, monkey
     assert stat.S_IMODE(folder.stat().st_mode) == 0o755
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == dict.fromkeys(
         [p.name for p in folder.iterdir()], 0o644)
+
+
+def test_a_broken_folder_in_a_cache_this_user_cannot_write_says_why_it_needs_writing(stub_conversion, monkeypatch,
+                                                                                    tmp_path):
+    """Another user's shared cache, damaged since its conversion: "cannot write the converted model"
+    alone did not say that the model there was broken."""
+    from specdec_kernels import pretrained
+
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path / "cache"))
+    folder = pretrained.smollm2_folder()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+    def read_only(*args, **kwargs):  # (the tests may run as root, whom file modes do not stop)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pretrained.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(pretrained.ModelNotInstalledError,
+                       match=rf"{folder} is not a complete conversion .* {folder.parent} cannot be written to convert "
+                             r"it again .*ask its owner to delete it, or set SPECDEC_KERNELS_CACHE"):
+        pretrained.smollm2_folder()
+    assert len(stub_conversion) == 1
 
 
 def test_the_digest_of_a_large_file_covers_its_header_and_samples_of_its_data(tmp_path):
