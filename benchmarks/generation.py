@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec_kernels import PromptLookupDraft, generate, speculative_generate
+from specdec_kernels import ModelDraft, PromptLookupDraft, generate, speculative_generate
+from specdec_kernels.testing import OracleDraft
 
 PROMPTS = (
     "Rewrite this Python function with type hints, keeping the body unchanged:\n\n"
@@ -81,14 +82,27 @@ def encode(setup: Setup, batch_size: int):
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
-def run_ours(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4):
-    """Tokens generated and the stats of one greedy run of our generate / speculative_generate."""
+def make_drafter(setup: Setup, draft: str, batch_size: int, max_new_tokens: int, k: int):
+    """``"prompt_lookup"``, ``"layers"`` (the target's first DRAFT_LAYERS layers) or ``"oracle"``
+    (the target's own greedy continuation, computed beforehand: every draft is accepted)."""
+    if draft == "prompt_lookup":
+        return PromptLookupDraft()
+    if draft == "layers":
+        return ModelDraft(setup.model.truncated(DRAFT_LAYERS), cuda_graphs=setup.cuda_graphs)
+    ids, mask = encode(setup, batch_size)
+    truth = generate(setup.model, ids, mask, max_new_tokens=max_new_tokens + k, temperature=0)
+    return OracleDraft(truth.tokens)
+
+
+def run_ours(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int = 4, adaptive: bool = True):
+    """One greedy run of our generate (``draft`` None) or speculative_generate (``draft`` a name
+    for `make_drafter`, or a drafter; adaptive draft lengths by default, as in the package)."""
     ids, mask = encode(setup, batch_size)
     if draft is None:
         return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=0,
                         cuda_graphs=setup.cuda_graphs)
-    drafter = PromptLookupDraft() if draft == "prompt_lookup" else setup.model.truncated(DRAFT_LAYERS)
-    return speculative_generate(setup.model, drafter, ids, mask, num_draft_tokens=k,
+    drafter = make_drafter(setup, draft, batch_size, max_new_tokens, k) if isinstance(draft, str) else draft
+    return speculative_generate(setup.model, drafter, ids, mask, num_draft_tokens=k, adaptive=adaptive,
                                 max_new_tokens=max_new_tokens, temperature=0, cuda_graphs=setup.cuda_graphs)
 
 
@@ -183,6 +197,81 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
 
+def leviathan(st, k: int, plain) -> tuple[float, float]:
+    """(predicted speedup, efficiency) of a fixed-K run with stats ``st``, against the plain run's
+    stats ``plain``, from their phase timers (see the module docstring)."""
+    target_step = plain.time_target_s / (plain.target_forwards - 1)
+    v = st.time_target_s / (st.target_forwards - 1) / target_step
+    c = st.time_draft_s / (int(st.num_steps.max()) * k) / target_step
+    predicted = predicted_speedup(st.acceptance_rate, k, c, v)
+    return predicted, decode_tokens_per_second(st) / decode_tokens_per_second(plain) / predicted
+
+
+def _timed(setup: Setup, fn, *args) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn(setup, *args)
+    if setup.model.output.weight.is_cuda:  # the host may be ahead of the GPU
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8), repeats: int = 3,
+                      pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+    """Fixed vs adaptive draft lengths against our plain generate, per draft, batch size and K,
+    and the oracle drafter (every draft accepted) at K = 4, all interleaved in one run; returns a
+    markdown table of medians plus the machine line.
+
+    Columns: speedups over plain generate (same run); the share of the fixed K's gain (speedup - 1)
+    that adaptive keeps where the fixed K gains; the fixed run's acceptance, Leviathan-predicted
+    speedup and efficiency (measured decoding-phase speedup / predicted, as in `table`); the mean
+    draft length adaptive chose. Oracle: tokens per target forward, speedup, and the prediction
+    with a = 1, ``(K + 1) / (K c + v)``.
+    """
+    from benchmarks.timing import machine_line
+
+    torch.manual_seed(0)
+    setup = load_setup(pack, device, dtype)
+    lines = []
+    for B in batch_sizes:
+        oracle = make_drafter(setup, "oracle", B, max_new_tokens, 4)
+        methods = {"plain": (None, 4, True)}
+        for draft in ("prompt_lookup", "layers"):
+            for k in ks:
+                methods[draft, k, "fixed"] = (draft, k, False)
+                methods[draft, k, "adaptive"] = (draft, k, True)
+        methods["oracle"] = (oracle, 4, False)
+        for draft, k, adaptive in methods.values():  # warm-up
+            run_ours(setup, B, 4, draft, k, adaptive)
+        runs = {name: [] for name in methods}
+        for _ in range(repeats):
+            for name, (draft, k, adaptive) in methods.items():
+                runs[name].append(_timed(setup, run_ours, B, max_new_tokens, draft, k, adaptive))
+        median = {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}
+        plain_s, plain = median["plain"]
+        for draft in ("prompt_lookup", "layers"):
+            best_fixed = max(plain_s / median[draft, k, "fixed"][0] for k in ks)
+            for k in ks:
+                (fixed_s, fixed), (adaptive_s, adaptive) = median[draft, k, "fixed"], median[draft, k, "adaptive"]
+                fx, ax = plain_s / fixed_s, plain_s / adaptive_s
+                keeps = f"{(ax - 1) / (fx - 1):.0%}" if fx > 1 else "-"
+                keeps_best = f"{(ax - 1) / (best_fixed - 1):.0%}" if best_fixed > 1 else "-"
+                predicted, efficiency = leviathan(fixed.stats, k, plain.stats)
+                lines.append(f"| {B} | {draft} | {k} | {fx:.2f}x | {ax:.2f}x | {keeps} | {keeps_best} | "
+                             f"{fixed.stats.acceptance_rate:.1%} | {predicted:.2f}x | {efficiency:.2f} | "
+                             f"{adaptive.stats.mean_draft_length:.2f} |")
+        oracle_s, oracle = median["oracle"]
+        predicted, efficiency = leviathan(oracle.stats, 4, plain.stats)
+        lines.append(f"| {B} | oracle | 4 | {plain_s / oracle_s:.2f}x | | | | {oracle.stats.acceptance_rate:.0%} | "
+                     f"{predicted:.2f}x (a = 1) | {efficiency:.2f} | "
+                     f"{oracle.stats.tokens_per_target_forward:.2f} tokens per target forward |")
+    header = ("| batch | draft | K | fixed K vs plain | adaptive vs plain | adaptive keeps of fixed K's gain | "
+              "of best fixed K's gain | acceptance (fixed) | predicted (fixed) | efficiency (fixed) | "
+              "adaptive mean draft length |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    return (f"SmolLM2-135M-Instruct {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} "
+            f"new tokens per row, median of {repeats} interleaved runs, layer draft: the first {DRAFT_LAYERS} "
+            f"of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m benchmarks.generation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,6 +283,13 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--no-cuda-graphs", action="store_true", help="our loops decode eagerly on CUDA too")
+    parser.add_argument("--speculation", action="store_true",
+                        help="fixed vs adaptive draft lengths for K in --ks, and the oracle drafter (no HF runs)")
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     args = parser.parse_args()
+    if args.speculation:
+        print(speculation_table(args.max_new_tokens, tuple(args.batch_sizes), tuple(args.ks), args.repeats,
+                                pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype)))
+        raise SystemExit(0)
     print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
                 device=args.device, dtype=getattr(torch, args.dtype), cuda_graphs=not args.no_cuda_graphs))

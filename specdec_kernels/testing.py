@@ -10,6 +10,8 @@ package. Nothing here imports triton at module import time.
   launch loads and stores (masked-off lanes cost nothing).
 - `SyncCounter`: counts host synchronizations (``item``, ``bool(tensor)``,
   ``tolist``, ``nonzero``, boolean-mask indexing, device-to-host copies...).
+- `OracleDraft`: a drafter that knows the continuation (the target's own greedy output): every
+  draft is accepted, which measures the decoding loop against its physical limit.
 - `compile_check` / `run_compile_check`: compile registered kernel
   specializations for real GPU targets (sm_80, sm_90) without a GPU, read
   registers and spills from the cubin and shared memory from the compile metadata.
@@ -31,6 +33,44 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# --------------------------------------------------------------------------- oracle drafter
+
+class OracleDraft:
+    """A `specdec_kernels.Drafter` proposing a known continuation of each row.
+
+    Args:
+        continuation: [B, N] int64, the tokens each row will generate (e.g. ``generate(...,
+            temperature=0).tokens`` with N at least max_new_tokens + K, so that no proposal runs
+            past it; past the end it repeats the last column).
+
+    Example::
+
+        truth = generate(target, ids, max_new_tokens=64 + 4, temperature=0).tokens
+        out = speculative_generate(target, OracleDraft(truth), ids, max_new_tokens=64, temperature=0)
+        assert out.stats.acceptance_rate == 1.0
+    """
+
+    def __init__(self, continuation: torch.Tensor) -> None:
+        self.continuation = continuation
+
+    def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int) -> None:
+        self.rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        self.committed = torch.zeros(input_ids.shape[0], dtype=torch.int64, device=input_ids.device)
+
+    def propose(self, num_tokens: int, sample):
+        from .drafts import DraftProposal
+
+        offsets = torch.arange(num_tokens, device=self.rows.device)
+        columns = (self.committed[:, None] + offsets).clamp(max=self.continuation.shape[1] - 1)
+        return DraftProposal(self.continuation[self.rows].gather(1, columns))
+
+    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        self.committed = self.committed + num_tokens
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.rows, self.committed = self.rows[rows], self.committed[rows]
+
 
 # --------------------------------------------------------------------------- tolerances
 

@@ -16,6 +16,7 @@ from specdec_kernels import (
     speculative_generate,
 )
 from specdec_kernels._draft_lengths import DraftLengths
+from specdec_kernels.testing import OracleDraft as Oracle
 
 from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
 
@@ -23,27 +24,6 @@ from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(seed=0, scale=3.0, layers=3)
-
-
-class Oracle:
-    """Proposes the target's own greedy continuation (known in advance): every draft is right."""
-
-    def __init__(self, continuation: torch.Tensor) -> None:
-        self.continuation = continuation  # [B, N]
-
-    def prefill(self, input_ids, q_seqlens, max_len):
-        self.rows = torch.arange(input_ids.shape[0])
-        self.committed = torch.zeros(input_ids.shape[0], dtype=torch.int64)
-
-    def propose(self, num_tokens, sample):
-        columns = (self.committed[:, None] + torch.arange(num_tokens)).clamp(max=self.continuation.shape[1] - 1)
-        return DraftProposal(self.continuation[self.rows].gather(1, columns))
-
-    def commit(self, token_ids, num_tokens):
-        self.committed = self.committed + num_tokens
-
-    def select(self, rows):
-        self.rows, self.committed = self.rows[rows], self.committed[rows]
 
 
 class Hostile:
