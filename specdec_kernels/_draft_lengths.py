@@ -11,8 +11,9 @@ Dinkelbach's method: at a trial rate R each row maximizes ``G_b(k) - R v1 f_b k`
 cap w, and the best cap's rate is the next R. All rows at 0 is a plain decoding step, chosen
 whenever no draft pays for its verification.
 
-Every estimate is forgotten exponentially, step by step (`DECAY`), so it follows the text as
-it changes; a row whose drafts kept failing also drifts back to the prior (a = 1/2) and is
+Every estimate is forgotten exponentially, step by step (acceptance slowly, `DECAY`; times
+fast, `COST_DECAY`, as a slow start or a change of load soon stops counting), so it follows
+the text as it changes; a row whose drafts kept failing also drifts back to the prior (a = 1/2) and is
 probed again with one draft token, after enough plain steps that the probes cost little. The
 first three steps draft one token per row: before costs are measured nothing is known of them
 (the first step's are not used: it pays one-time costs).
@@ -23,7 +24,10 @@ arrives in the loop's one transfer per step, so choosing adds no synchronization
 
 from __future__ import annotations
 
-DECAY = 0.98  # per step: measurements from ~35 steps ago weigh half
+import time
+
+DECAY = 0.98  # acceptance, per step: what was seen ~35 steps ago weighs half
+COST_DECAY = 0.8  # times, per step: a few steps' average, soon rid of a slow start
 
 
 class _DecayedLine:
@@ -34,7 +38,7 @@ class _DecayedLine:
         self.w = self.x = self.xx = self.y = self.xy = 0.0
 
     def add(self, x: float, y: float) -> None:
-        d = DECAY
+        d = COST_DECAY
         self.w, self.x, self.xx = d * self.w + 1, d * self.x + x, d * self.xx + x * x
         self.y, self.xy = d * self.y + y, d * self.xy + x * y
 
@@ -53,13 +57,18 @@ class DraftLengths:
     """Per-row draft lengths for `speculative_generate`: K for every row (``adaptive=False``) or
     chosen each step from measured acceptance and costs (see the module docstring).
 
-    Rows are input rows (``0 .. batch_size - 1``); the loop passes the ones still running. The
-    arithmetic is plain Python on a few numbers per row: host work, no tensor to synchronize.
-    ``counts[row][k]`` counts the steps the row was given length k.
+    Rows are input rows (``0 .. batch_size - 1``); the loop passes the ones still running. Each
+    step the loop calls `choose` (the next proposal's lengths), then, at its transfer, `observe`
+    (the last verification's outcome and the phase times) and `verifying` (what it verifies
+    next). The arithmetic is plain Python on a few numbers per row: host work, no tensor to
+    synchronize. ``counts[row][k]`` counts the steps the row was given length k.
     """
 
-    def __init__(self, max_tokens: int, batch_size: int, adaptive: bool) -> None:
-        self.K, self.adaptive = max_tokens, adaptive
+    def __init__(self, max_tokens: int, max_new_tokens: int, batch_size: int, adaptive: bool) -> None:
+        self.K, self.max_new_tokens, self.adaptive = max_tokens, max_new_tokens, adaptive
+        self.chosen: dict[int, int] = {}  # the lengths of the proposal being made
+        self.verified: tuple[list[tuple[int, int, int]], int] | None = None  # (row, asked, got), tokens
+        self.clock = time.perf_counter()
         # Forgotten sums per row: accepted drafts, rejections (a step that stopped short of its
         # drafts), tokens asked for and tokens proposed.
         self.accepted, self.rejected = [0.0] * batch_size, [0.0] * batch_size
@@ -70,19 +79,40 @@ class DraftLengths:
         self.overhead = None  # seconds per step outside verification and drafting
         self.steps_seen = 0
 
-    def choose(self, rows: list[int], most: list[int]) -> list[int]:
-        """Draft lengths for the batch's ``rows``, in order: 0 .. min(K, ``most``) (per row: more
-        drafts could not all be kept within its token budget)."""
+    def choose(self, rows: list[int], generated: dict[int, int]) -> list[int]:
+        """Draft lengths (0 .. K) for the batch's ``rows``, in order. ``generated``: each row's
+        tokens as of the last transfer (absent: 0); the step before this proposal's verification
+        adds at least one, so more than ``max_new_tokens - generated - 2`` drafts could not all
+        be kept within the row's budget, and are not asked for."""
         if not self.adaptive:
             lengths = [self.K] * len(rows)
         elif not self._ready():
             lengths = [1] * len(rows)
         else:
             lengths = self._best(rows)
-        lengths = [max(0, min(k, m)) for k, m in zip(lengths, most, strict=True)]
+        lengths = [max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
+                   for row, k in zip(rows, lengths, strict=True)]
         for row, k in zip(rows, lengths, strict=True):
             self.counts[row][k] += 1
+        self.chosen = dict(zip(rows, lengths, strict=True))
         return lengths
+
+    def verifying(self, rows: list[int], drafted: dict[int, int], tokens: int) -> None:
+        """The loop verifies ``drafted[row]`` drafts of each of ``rows`` (``tokens`` in all)."""
+        self.verified = ([(row, self.chosen[row], drafted[row]) for row in rows], tokens)
+
+    def observe(self, accepted: dict[int, int], verify_s: float, draft_s: float) -> None:
+        """At the loop's transfer: the drafts each verified row had ``accepted``, the seconds of
+        that verification (target forward and sampling) and of the proposal made since."""
+        now = time.perf_counter()
+        step_s, self.clock = now - self.clock, now
+        if self.verified is None:
+            return
+        (verified, tokens), width = self.verified, max(self.chosen.values(), default=0)
+        self.verified = None
+        self._measured([r for r, _, _ in verified], [k for _, k, _ in verified], [p for _, _, p in verified],
+                       [accepted[r] for r, _, _ in verified], tokens, verify_s, width,
+                       draft_s if width else 0.0, step_s)
 
     def _ready(self) -> bool:
         """Whether every cost has been measured."""
@@ -129,8 +159,8 @@ class DraftLengths:
             rate, best = best_rate, [c[best_w] for c in choices]
         return best
 
-    def observe(self, rows: list[int], asked: list[int], proposed: list[int], accepted: list[int],
-                verify_tokens: int, verify_s: float, draft_tokens: int, draft_s: float, step_s: float) -> None:
+    def _measured(self, rows: list[int], asked: list[int], proposed: list[int], accepted: list[int],
+                  verify_tokens: int, verify_s: float, draft_tokens: int, draft_s: float, step_s: float) -> None:
         """One step's measurements: for each of the batch's ``rows`` the drafts it asked for, got
         and had accepted; the target forward and sampling (``verify_s`` seconds over
         ``verify_tokens`` tokens), the next proposal (``draft_s`` seconds for ``draft_tokens``
@@ -150,7 +180,7 @@ class DraftLengths:
             return
         self.verify.add(verify_tokens, verify_s)
         if draft_tokens:
-            self.draft_seconds = DECAY * self.draft_seconds + draft_s
-            self.draft_tokens = DECAY * self.draft_tokens + draft_tokens
+            self.draft_seconds = COST_DECAY * self.draft_seconds + draft_s
+            self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
         rest = max(0.0, step_s - verify_s - draft_s)
-        self.overhead = rest if self.overhead is None else DECAY * self.overhead + (1 - DECAY) * rest
+        self.overhead = rest if self.overhead is None else COST_DECAY * self.overhead + (1 - COST_DECAY) * rest

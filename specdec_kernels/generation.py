@@ -520,7 +520,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     K, V = max(1, request.drafts), target.vocab_size
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device, K), _Outputs(B, request.max_new_tokens, device)
-    stream, lengths = _Stream(streamer, B), DraftLengths(K, B, adaptive)
+    stream, lengths = _Stream(streamer, B), DraftLengths(K, request.max_new_tokens, B, adaptive)
     rows, host_rows = torch.arange(B, device=device), list(range(B))
     cache = _new_cache(target, "target", B, request.max_len, device)
     check = _LogitsCheck(device, ("target model", "draft model", "drafter"))
@@ -548,11 +548,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         drafter.prefill(request.prompt, request.prompt_lengths, request.max_len)
     with timer("sampler"):
         token = request.sample(logits)
-    new, accepted = token[:, None], torch.zeros_like(rows)
-    # Drafts a row could keep within its budget: each step gains at least one token, so after
-    # the step before the proposal a row has at most max_new_tokens - (generated + 1) to come.
-    room = lambda generated: [request.max_new_tokens - g - 2 for g in generated]
-    asked, verified, measured, step_start = lengths.choose(host_rows, room([0] * B)), None, None, 0.0
+    new, accepted, asked = token[:, None], torch.zeros_like(rows), lengths.choose(host_rows, {})
     while True:
         kept, done = outputs.write(rows, new, accepted + 1, request.eos)
         stream.add(host_rows, kept, new)
@@ -565,13 +561,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             done, check, *_running_range(cache.lengths, done), *_running_range(num_drafts, done),
             num_drafts.masked_fill(done, 0).sum(), num_drafts, accepted, outputs.counts[rows], *stream.values())
         stream.put(*streamed)
-        now = time.perf_counter()
-        if measured is not None:  # the last step's verify, this step's drafts, the time in between
-            lengths.observe(host_rows, *verified, accepted_list, *measured, timer.last("verify"),
-                            max(asked), timer.last("draft") if max(asked) else 0.0, now - step_start)
-        step_start = now
+        lengths.observe(dict(zip(host_rows, accepted_list, strict=True)), timer.last("verify"), timer.last("draft"))
         if not running:
             break
+        drafted, generated = (dict(zip(host_rows, values, strict=True)) for values in (drafted, generated))
         if len(running) < len(rows):
             keep = torch.tensor(running, device=device)
             rows, token, cache = rows[keep], token[keep], cache.select(keep)
@@ -579,10 +572,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             draft_logits = None if draft_logits is None else draft_logits[keep]
             drafter.select(keep)
             host_rows = [host_rows[i] for i in running]
-            asked, drafted = [asked[i] for i in running], [drafted[i] for i in running]
-            generated = [generated[i] for i in running]
         b = len(rows)
-        verified, measured = (asked, drafted), (b + total,)
+        lengths.verifying(host_rows, drafted, b + total)
 
         # Verify: the target scores the last token and the drafts in one forward, and the sampler
         # keeps the longest prefix the target agrees with, plus one token of its own.
@@ -610,7 +601,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         stats.num_steps[rows] += 1
         stats.num_proposed[rows] += num_drafts
         stats.num_accepted[rows] += accepted
-        asked = lengths.choose(host_rows, room(generated))
+        asked = lengths.choose(host_rows, generated)
     stream.end()
     stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
