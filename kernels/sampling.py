@@ -21,6 +21,12 @@ and no host sync. Entries with ``w <= 0`` never win; if no entry has ``w > 0`` t
 to ``p_j`` (tracked in the same pass). Explicit noise (``use_noise``) replaces the RNG for exact
 tests; masked-off loads move no bytes, so the flag costs nothing when off.
 
+No token can come from NaN or inf (a logits row: NaN, +inf, or only -inf). The samplers flag, per
+batch row, the target and draft values they read that hold such numbers, in a ``[2, B]`` uint8
+output taken from what the passes compute anyway (the normalizers, the greedy maxima, a check
+per tile of the row they sample from); the launchers assert the flags on the device
+(`refuse_rows_without_token`) unless the op validates its inputs instead.
+
 Scaled logits are ``div_rn(l.float(), T)``: IEEE division, bit-identical to torch's ``l.float() / T``
 (Triton's ``/`` lowers to the 2-ulp ``div.full.f32`` on NVIDIA), so an entry equal to its threshold
 is kept in both kernels and in the reference.
@@ -41,7 +47,12 @@ import triton.language as tl
 
 from specdec_kernels._backend import on_input_device
 from specdec_kernels._checks import ValueChecks
-from specdec_kernels._sampling_checks import require_values_read_after
+from specdec_kernels._sampling_checks import (
+    LOGITS_ARGS,
+    PROBS_ARGS,
+    refuse_rows_without_token,
+    require_values_read_after,
+)
 from specdec_kernels._types import RejectionNoise, RejectionOutput
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
@@ -116,26 +127,49 @@ def _row_divisor(i_b, temp_ptr, has_temp_rows, temp_scalar):
 
 
 @triton.jit
-def _row_argmax(row_ptr, V, DIVISOR, thr, BV: tl.constexpr):
-    """First argmax of ``row / DIVISOR`` masked below ``thr`` (NaN counts as -inf)."""
-    best = float("-inf")
-    best_idx = 0
-    for v0 in range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
-        b_x = _scaled(tl.load(row_ptr + o_v, mask=o_v < V, other=float("-inf")), DIVISOR)
-        b_x = tl.where((b_x == b_x) & (b_x >= thr), b_x, float("-inf"))
-        best, best_idx = _merge_max(best, best_idx, b_x, v0)
-    return best_idx
+def _unusable(b_x, LOGITS: tl.constexpr):
+    """Entries no token can come from: NaN and +inf, and -inf too unless ``LOGITS`` (a logit of
+    -inf is a token filtered out)."""
+    bad = (b_x != b_x) | (b_x == float("inf"))
+    if not LOGITS:
+        bad = bad | (b_x == float("-inf"))
+    return bad
 
 
 @triton.jit
-def _store_output(ids_ptr, token_ptr, num_acc_ptr, i_b, K, j, tok, BK: tl.constexpr):
+def _any(b_m):
+    """1 if any entry of the bool block is true, else 0 (int32, for flags carried through loops)."""
+    return tl.max(b_m.to(tl.int32), 0)
+
+
+@triton.jit
+def _row_argmax(row_ptr, V, DIVISOR, thr, BV: tl.constexpr):
+    """(first argmax of ``row / DIVISOR`` masked below ``thr``, NaN counting as -inf; 1 if the row
+    has no argmax, i.e. holds NaN or its maximum is +inf or -inf, else 0)."""
+    best = float("-inf")
+    best_idx = 0
+    nan = 0
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        b_x = _scaled(tl.load(row_ptr + o_v, mask=o_v < V, other=float("-inf")), DIVISOR)
+        nan = tl.maximum(nan, _any(b_x != b_x))
+        b_x = tl.where((b_x == b_x) & (b_x >= thr), b_x, float("-inf"))
+        best, best_idx = _merge_max(best, best_idx, b_x, v0)
+    return best_idx, tl.where((best == float("inf")) | (best == float("-inf")), 1, nan)
+
+
+@triton.jit
+def _store_output(ids_ptr, token_ptr, num_acc_ptr, bad_ptr, i_b, K, j, tok, bad, BK: tl.constexpr):
+    """Row ``i_b``'s tokens, accepted count and flags (``bad`` bits 1: target, 2: draft; ``bad_ptr``
+    ``[2, B]``: the target row, then the draft row)."""
     for k0 in range(0, K + 1, BK):
         o_k = k0 + tl.arange(0, BK)
         b_x = tl.load(ids_ptr + i_b * K + o_k, mask=o_k < j, other=0)
         b_out = tl.where(o_k < j, b_x, tl.where(o_k == j, tok, -1)).to(tl.int64)
         tl.store(token_ptr + i_b * (K + 1) + o_k, b_out, mask=o_k < K + 1)
     tl.store(num_acc_ptr + i_b, j.to(tl.int64))
+    tl.store(bad_ptr + i_b, (bad & 1).to(tl.uint8))
+    tl.store(bad_ptr + tl.num_programs(0) + i_b, (bad >> 1).to(tl.uint8))
 
 
 @triton.jit(
@@ -152,6 +186,7 @@ def _rejection_sample_kernel(
     exp_ptr,
     token_ptr,
     num_acc_ptr,
+    bad_ptr,
     K,
     V,
     stride_tb,
@@ -196,15 +231,21 @@ def _rejection_sample_kernel(
             b_q = tl.where(m_x, 1.0, 0.0)
         b_u_noise = tl.load(accept_ptr + i_b * K + o_k, mask=o_k < n_noise, other=1.0)
         b_u = tl.where(noisy, b_u_noise, _accept_uniform(seed, o_k))
-        b_rej = m_k & ~((b_q > 0) & (b_u * b_q <= b_p))
+        # NaN and -inf fail the test; p(x) = +inf is rejected too, so that every non-finite value
+        # tested lies in a row read in full below, whose flags refuse it.
+        b_rej = m_k & ~((b_q > 0) & (b_u * b_q <= b_p) & (b_p != float("inf")))
         j = tl.minimum(j, tl.min(tl.where(b_rej, o_k, n), 0))
+
+    # Rows read with NaN or inf, as bits (1: target, 2: draft): one register through every loop.
+    bad = n * 0
 
     # Greedy rows: argmax of each target row until the first mismatch (or the bonus row).
     i = n * 0
     tok_g = n * 0
     searching = ~sampled
     while searching:
-        am = _row_argmax(p_t + i * stride_tk, V, 1.0, float("-inf"), BV)
+        am, no_argmax = _row_argmax(p_t + i * stride_tk, V, 1.0, float("-inf"), BV)
+        bad = bad | no_argmax
         x_i = tl.load(ids_ptr + i_b * K + i, mask=i < n, other=-1)
         mismatch = (am != x_i) | (i >= n)
         tok_g = tl.where(mismatch, am, tok_g)
@@ -226,8 +267,10 @@ def _rejection_sample_kernel(
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V_s
         b_p = tl.load(p_t + j * stride_tk + o_v, mask=m_v, other=0.0).to(tl.float32)
+        bad = bad | _any(_unusable(b_p, False))  # masked-off loads are 0: greedy rows add nothing
         if HAS_DRAFT:
             b_q = tl.load(p_d + j * stride_dk + o_v, mask=o_v < V_rej, other=0.0).to(tl.float32)
+            bad = bad | (_any(_unusable(b_q, False)) << 1)  # q_j, read at a rejection only
             b_w = tl.where(is_rej, tl.maximum(b_p - b_q, 0.0), b_p)
         else:
             b_w = tl.where(o_v == x_j, tl.maximum(b_p - 1.0, 0.0), b_p)
@@ -239,23 +282,31 @@ def _rejection_sample_kernel(
         best_p, idx_p = _merge_max(best_p, idx_p, s_p, v0)
     tok_s = tl.where(best_w >= 0, idx_w, idx_p)
     tok = tl.where(sampled, tok_s, tok_g)
-    _store_output(ids_ptr, token_ptr, num_acc_ptr, i_b, K, j, tok, BK)
+    _store_output(ids_ptr, token_ptr, num_acc_ptr, bad_ptr, i_b, K, j, tok, bad, BK)
 
 
 @triton.jit
 def _row_normalizer(row_ptr, V, DIVISOR, thr, BV: tl.constexpr):
-    """Online (max, sum of exp(l - max)) of ``row / DIVISOR`` with entries below ``thr`` at -inf."""
+    """Online (max, sum of exp(l - max)) of ``row / DIVISOR`` with entries below ``thr`` at -inf.
+    NaN is kept, so that NaN or +inf in the row makes the sum NaN (see `_no_distribution`)."""
     m = float("-inf")
     s = 0.0
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         b_l = _scaled(tl.load(row_ptr + o_v, mask=o_v < V, other=float("-inf")), DIVISOR)
-        b_l = tl.where(b_l >= thr, b_l, float("-inf"))
+        b_l = tl.where(b_l < thr, float("-inf"), b_l)
         m_new = tl.maximum(m, tl.max(b_l, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(b_l - m_safe), 0)
         m = m_new
     return m, s
+
+
+@triton.jit
+def _no_distribution(m, s):
+    """1 if a row's `_row_normalizer` ``(m, s)`` leaves no distribution, else 0: ``m == -inf`` (only
+    -inf) or ``s`` NaN (NaN or +inf: ``exp(inf - inf)``). Otherwise ``s >= 1``."""
+    return tl.where((m == float("-inf")) | (s != s), 1, 0)
 
 
 @triton.jit
@@ -290,6 +341,7 @@ def _rejection_sample_logits_kernel(
     exp_ptr,
     token_ptr,
     num_acc_ptr,
+    bad_ptr,
     K,
     V,
     stride_tb,
@@ -330,16 +382,20 @@ def _rejection_sample_logits_kernel(
     s_t = 1.0
     m_d = float("-inf")
     s_d = 1.0
+    # Rows read without a distribution, as bits (1: target, 2: draft): one register through every loop.
+    bad = n * 0
     scanning = sampled & (n > 0)
     while scanning:
         thr_t = tl.load(thr_t_ptr + i_b * (K + 1) + i, mask=filtered, other=float("-inf"))
         x = tl.load(ids_ptr + i_b * K + i)
         m_x = (x >= 0) & (x < V)
         m_t, s_t = _row_normalizer(p_t + i * stride_tk, V, D, thr_t, BV)
+        bad = bad | _no_distribution(m_t, s_t)
         p_x = _prob_at(p_t + i * stride_tk, x, m_x, D, thr_t, m_t, s_t)
         if HAS_DRAFT:
             thr_d = tl.load(thr_d_ptr + i_b * K + i, mask=filtered, other=float("-inf"))
             m_d, s_d = _row_normalizer(p_d + i * stride_dk, V, D, thr_d, BV)
+            bad = bad | (_no_distribution(m_d, s_d) << 1)
             q_x = _prob_at(p_d + i * stride_dk, x, m_x, D, thr_d, m_d, s_d)
         else:
             q_x = tl.where(m_x, 1.0, 0.0)
@@ -356,7 +412,8 @@ def _rejection_sample_logits_kernel(
     searching = ~sampled
     while searching:
         thr_g = tl.load(thr_t_ptr + i_b * (K + 1) + i, mask=filtered, other=float("-inf"))
-        am = _row_argmax(p_t + i * stride_tk, V, D, thr_g, BV)
+        am, no_argmax = _row_argmax(p_t + i * stride_tk, V, D, thr_g, BV)
+        bad = bad | no_argmax
         x_i = tl.load(ids_ptr + i_b * K + i, mask=i < n, other=-1)
         mismatch = (am != x_i) | (i >= n)
         tok_g = tl.where(mismatch, am, tok_g)
@@ -388,6 +445,7 @@ def _rejection_sample_logits_kernel(
         m_v = o_v < V_s
         m_rej = o_v < V_rej
         b_l = _scaled(tl.load(p_t + j * stride_tk + o_v, mask=m_v, other=float("-inf")), D)
+        bad = bad | _any(_unusable(b_l, True))  # row j: the bonus row was not scanned
         b_l = tl.where(b_l >= thr_j, b_l, float("-inf"))
         b_e_noise = tl.load(exp_ptr + i_b * V + o_v, mask=o_v < V_noise, other=1.0)
         b_e = tl.where(noisy, b_e_noise, _race_exponential(seed, o_v + K + 1))
@@ -408,7 +466,9 @@ def _rejection_sample_logits_kernel(
         best_p, idx_p = _merge_max(best_p, idx_p, s_p, v0)
     tok_s = tl.where(is_rej, tl.where(best_w >= 0, idx_w, idx_p), idx_l)
     tok = tl.where(sampled, tok_s, tok_g)
-    _store_output(ids_ptr, token_ptr, num_acc_ptr, i_b, K, j, tok, BK)
+    # A sampled row j whose race saw no entry above -inf has only -inf (the threshold keeps the maximum).
+    bad = tl.where(sampled & (best_l == float("-inf")), bad | 1, bad)
+    _store_output(ids_ptr, token_ptr, num_acc_ptr, bad_ptr, i_b, K, j, tok, bad, BK)
 
 
 @triton.jit
@@ -564,7 +624,7 @@ def _signature(kind: str, dtype: torch.dtype) -> dict[str, str]:
     ints = {**shapes, "use_noise": "i32", **dict.fromkeys(_FLAGS, "i32")}
     const = {"HAS_DRAFT": "constexpr", "BK": "constexpr", "BV": "constexpr"}
     rand = {"seed_ptr": "*i64", "accept_ptr": "*fp32", "exp_ptr": "*fp32"}
-    out = {"token_ptr": "*i64", "num_acc_ptr": "*i64"}
+    out = {"token_ptr": "*i64", "num_acc_ptr": "*i64", "bad_ptr": "*u8"}
     if kind == "probs":
         return {**common_in, **rand, **out, **ints, **const}
     return {
@@ -647,10 +707,13 @@ def _row_args(
     return pointers, scalars
 
 
-def _outputs(B: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(B: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids ``[B, K+1]``, accepted counts ``[B]`` and the flags ``[2, B]`` of rows read that
+    leave no token (target, draft)."""
     return (
         torch.empty(B, K + 1, dtype=torch.int64, device=device),
         torch.empty(B, dtype=torch.int64, device=device),
+        torch.empty(2, B, dtype=torch.uint8, device=device),
     )
 
 
@@ -675,7 +738,7 @@ def rejection_sample_triton(
     seeds are drawn from a generator). Shapes already checked: target ``[B, K+1, V]``, draft
     ``[B, K, V]`` or None, ids ``[B, K]`` integer, n ``[B]`` integer or None, greedy bool or ``[B]``
     bool. With ``checks`` (``validate=True``), the values the kernel read are gathered again and
-    added to them, after the launch."""
+    added to them, after the launch; without, the kernel's flags refuse NaN or inf among them."""
     B, K1, V = target.shape
     K = K1 - 1
     target = _contiguous_rows(target)
@@ -683,7 +746,7 @@ def rejection_sample_triton(
     (n_arg, greedy_arg, seeds, accept, exp), scalars = _row_args(
         B, target.device, n, greedy, generator, seed, noise
     )
-    tokens, num_acc = _outputs(B, K, target.device)
+    tokens, num_acc, bad = _outputs(B, K, target.device)
     _, constexprs, num_warps = _config("probs", target.dtype, draft is not None)
     _rejection_sample_kernel[(B,)](
         target,
@@ -696,6 +759,7 @@ def rejection_sample_triton(
         exp,
         tokens,
         num_acc,
+        bad,
         K,
         V,
         target.stride(0),
@@ -709,6 +773,8 @@ def rejection_sample_triton(
     out = RejectionOutput(tokens, num_acc)
     if checks is not None:
         require_values_read_after(checks, target, draft, ids, n, greedy, out)
+    else:
+        refuse_rows_without_token(bad, PROBS_ARGS)
     return out
 
 
@@ -794,6 +860,7 @@ def rejection_sample_logits_triton(
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     noise: RejectionNoise | None = None,
+    checks: ValueChecks | None = None,
 ) -> RejectionOutput:
     """Launch `_rejection_sample_logits_kernel` (grid ``(B,)``), preceded by `_logit_thresholds_kernel`
     when a filter is set (``top_k < V`` or ``top_p < 1``): two launches at most, plus the seed draw
@@ -801,6 +868,8 @@ def rejection_sample_logits_triton(
 
     Rows with temperature 0 are greedy (decided in the kernel). Filters write one float32 threshold
     per row and position (`logit_thresholds_triton`); no ``[B, K+1, V]`` tensor is allocated.
+    Without ``checks`` (the op's validation of every row it may read), the kernel's flags refuse
+    rows read that leave no token.
     """
     B, K1, V = target.shape
     K = K1 - 1
@@ -817,7 +886,7 @@ def rejection_sample_logits_triton(
         thr_d = f32 if thr_d is None or K == 0 else thr_d
         has_thr = 1
     (n_arg, greedy_arg, seeds, accept, exp), scalars = _row_args(B, device, n, greedy, generator, seed, noise)
-    tokens, num_acc = _outputs(B, K, device)
+    tokens, num_acc, bad = _outputs(B, K, device)
     _, constexprs, num_warps = _config("logits", target.dtype, draft is not None)
     _rejection_sample_logits_kernel[(B,)](
         target,
@@ -833,6 +902,7 @@ def rejection_sample_logits_triton(
         exp,
         tokens,
         num_acc,
+        bad,
         K,
         V,
         target.stride(0),
@@ -846,6 +916,8 @@ def rejection_sample_logits_triton(
         num_warps=num_warps,
         **constexprs,
     )
+    if checks is None:
+        refuse_rows_without_token(bad, LOGITS_ARGS)
     return RejectionOutput(tokens, num_acc)
 
 

@@ -96,16 +96,18 @@ class DeviceCheckError(ValueError, RuntimeError):
     """
 
 
-def device_check(condition: torch.Tensor, message: str) -> None:
+def device_check(condition: torch.Tensor, message: str | Callable[[], str]) -> None:
     """Assert the 0-d bool tensor ``condition`` without a host synchronization.
 
     On CPU a false ``condition`` raises `DeviceCheckError` carrying ``message`` immediately; on
-    CUDA it is a device-side assert (the error surfaces at the next synchronization).
+    CUDA it is a device-side assert (the error surfaces at the next synchronization, without the
+    message). ``message`` may be a function returning the text: it is called only when the check
+    fails on CPU, so it may read tensors to say which rows failed.
     """
     try:
-        torch._assert_async(condition, message)
+        torch._assert_async(condition, message if isinstance(message, str) else "device_check failed")
     except RuntimeError as e:
-        raise DeviceCheckError(message) from e
+        raise DeviceCheckError(message if isinstance(message, str) else message()) from e
 
 
 class ValueChecks:

@@ -136,6 +136,6 @@ def sample_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0,
     scores = torch.where(probs > 0, probs / E, torch.full_like(probs, -1.0))
     best, token = scores.max(-1)
     device_check((best > 0).all(), "logits must give every row a token of positive probability "
-                                   "(a row is NaN or all -inf, or a temperature so small that "
-                                   "logits / temperature overflows)")
+                                   "(a row holds NaN or +inf, or only -inf, or a temperature so small "
+                                   "that logits / temperature overflows)")
     return token

@@ -12,6 +12,12 @@ Host checks (types, shapes, dtypes, devices, sampling parameters) raise at once.
 - logits are checked on every row the sampler may read (``j <= n_b``): each needs a finite largest
   value, also divided by its temperature (`require_logit_rows`), which costs one pass.
 
+Without validation, every backend still refuses the values no token can come from where it reads
+them (NaN or inf; a logits row of only -inf): each reports, per batch row and argument, flags it
+derives from numbers it computes anyway (row maxima, normalizers, sums), and `refuse_rows_without_token`
+asserts them on the device. Finite invalid values (negative or unnormalized probabilities, ids and
+counts out of range) get index guards instead: the ids stay in ``[0, V)``.
+
 Imports torch only (with the shared types and checks), so the reference and the kernels' launchers
 may use it too.
 """
@@ -26,6 +32,9 @@ from ._checks import ValueChecks, check_generator_and_seed, check_tensor, device
 from ._types import FLOAT_DTYPES, RejectionNoise, RejectionOutput
 
 _SKIP = "(pass validate=False to skip this check)"
+#: The arguments a sampler's rows come from, target first: what `refuse_rows_without_token` names.
+PROBS_ARGS = ("target_probs", "draft_probs")
+LOGITS_ARGS = ("target_logits", "draft_logits")
 
 
 def check_sampler_inputs(target: torch.Tensor, draft: torch.Tensor | None, draft_token_ids: torch.Tensor,
@@ -271,7 +280,7 @@ def _entries_message(p_x: torch.Tensor, q_x: torch.Tensor | None, unread: torch.
             if x_read is None or not x_read.numel():
                 continue
             if not bool(x_read.isfinite().all()):
-                return f"{name} contains NaN or inf {_SKIP}"
+                return f"{name} contains NaN or inf"
             if bool((x_read < 0).any()):
                 return f"{name} contains negative probabilities {_SKIP}"
             if bool((x_read > most).any()):
@@ -286,7 +295,7 @@ def _row_message(name: str, low: torch.Tensor, total: torch.Tensor, unread: torc
     def message() -> str:
         lows, totals = (low, total) if unread is None else (low[~unread], total[~unread])
         if not bool(lows.isfinite().all() & totals.isfinite().all()):
-            return f"{name} contains NaN or inf {_SKIP}"
+            return f"{name} contains NaN or inf"
         if bool((lows < 0).any()):
             return f"{name} contains negative probabilities {_SKIP}"
         worst = float((totals - 1).abs().max())
@@ -299,7 +308,7 @@ def _maxima_message(maxima: torch.Tensor, read: torch.Tensor):
     def message() -> str:
         m = maxima[read]
         if not bool(m.isfinite().all()):
-            return f"target_probs contains NaN or inf {_SKIP}"
+            return "target_probs contains NaN or inf"
         if bool((m <= 0).any()):
             return f"target_probs has a row without a positive probability {_SKIP}"
         return f"target_probs contains a probability above 1 ({float(m.max()):.6g}) {_SKIP}"
@@ -364,4 +373,26 @@ def require_logit_rows(
             # max commutes with widening to float32, so the widening is done on [B, K] maxima only.
             checks.require((t.amax(-1).float() / divisor).isfinite() | ~read,
                            f"{name} has a row with NaN, +inf or only -inf (or so small a temperature that "
-                           "logits / temperature overflows) " + _SKIP)
+                           "logits / temperature overflows)")
+
+
+def refuse_rows_without_token(bad: torch.Tensor, names: tuple[str, str]) -> None:
+    """Raise `DeviceCheckError` (`device_check`: no host sync; on CUDA a device-side assert) where a
+    sampler read a value no token can come from; what the samplers do without validation.
+
+    Args:
+        bad: ``[2, B]`` bool or uint8: row 0 flags the batch rows whose target values read were
+            bad, row 1 those whose draft values were. For logits: a row read with NaN or +inf, or
+            only -inf, also after the temperature; for probabilities: a value read that is NaN or
+            inf (a greedy row: its largest entry).
+        names: `PROBS_ARGS` or `LOGITS_ARGS`, the arguments the two rows of ``bad`` stand for.
+    """
+
+    def message() -> str:
+        what = ("NaN, +inf or only -inf (or overflow when divided by the temperature)" if names == LOGITS_ARGS
+                else "NaN or inf")
+        failed = [(name, flags.nonzero().flatten().tolist()) for name, flags in zip(names, bad.cpu(), strict=True)]
+        return "; ".join(f"{name}: batch row(s) {rows} hold {what} at a position the sampler read"
+                         for name, rows in failed if rows) + ": no token can be sampled"
+
+    device_check(bad.any().logical_not(), message)  # any() of uint8 is uint8: ~ would not negate it

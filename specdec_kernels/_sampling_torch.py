@@ -4,6 +4,10 @@ Each entry point takes the public op's arguments (see `specdec_kernels.sampling`
 dispatch to it like to the reference and the Triton kernels. Rows are sampled by a two-level
 inverse CDF over `SAMPLE_CHUNK`-entry chunks, from ``RejectionNoise.uniform``: the full row is
 read once for its chunk sums, then one chunk is read again.
+
+Without validation, values read that no token can come from are refused on the device
+(`refuse_rows_without_token`), with flags taken from what the sampler computes anyway: the greedy
+rows' maxima, the sampled row's chunk sums, the drafted tokens' probabilities.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 from ._checks import ValueChecks
 from ._logits import process_logits
 from ._noise import make_rejection_noise
-from ._sampling_checks import require_values_read
+from ._sampling_checks import LOGITS_ARGS, PROBS_ARGS, refuse_rows_without_token, require_values_read
 from ._types import SAMPLE_CHUNK, RejectionNoise, RejectionOutput
 
 
@@ -34,19 +38,9 @@ def rejection_sample_torch(target_probs: torch.Tensor, draft_probs: torch.Tensor
                            noise: RejectionNoise | None = None, checks: ValueChecks | None = None) -> RejectionOutput:
     """`specdec_kernels.rejection_sample` on the torch backend, for checked shapes. With ``checks``,
     the values it reads are added to them (`require_values_read`), from sums and minima of the rows
-    it has in hand anyway."""
-    B, K1, _ = target_probs.shape
-    K = K1 - 1
-    ids, n = _sanitize(draft_token_ids, num_draft_tokens, B, K)
-    ragged = num_draft_tokens is not None
-    if greedy is True:  # every row verifies by argmax: no noise, no residuals
-        return _greedy_verify(target_probs, ids, n, checks, ragged)
-    if noise is None:
-        noise = make_rejection_noise(B, K, generator=generator, seed=seed, device=target_probs.device)
-    elif noise.uniform is None:
-        raise ValueError("the torch backend consumes noise.uniform ([B, 2] float32); it is None")
-    greedy_rows = greedy if isinstance(greedy, torch.Tensor) else None
-    return _rejection_sample(target_probs, draft_probs, ids, n, greedy_rows, noise, checks, ragged)
+    it has in hand anyway; without, NaN or inf among them raises (`refuse_rows_without_token`)."""
+    return _verify(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, generator, seed, noise,
+                   checks, refuse_as=PROBS_ARGS if checks is None else None)
 
 
 def rejection_sample_logits_torch(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
@@ -54,9 +48,12 @@ def rejection_sample_logits_torch(target_logits: torch.Tensor, draft_logits: tor
                                   temperature: float | torch.Tensor = 1.0, top_k: int | None = None,
                                   top_p: float | None = None, greedy: bool | torch.Tensor = False,
                                   generator: torch.Generator | None = None, seed: int | torch.Tensor | None = None,
-                                  noise: RejectionNoise | None = None) -> RejectionOutput:
+                                  noise: RejectionNoise | None = None, checks: ValueChecks | None = None
+                                  ) -> RejectionOutput:
     """`specdec_kernels.rejection_sample_logits` on the torch backend, for checked inputs:
-    `process_logits` on both models' logits, then `rejection_sample_torch`."""
+    `process_logits` on both models' logits, then `rejection_sample_torch`'s verification. Without
+    ``checks`` (the op's validation of every logits row it may read), rows read that leave no token
+    raise: `process_logits` turns them into NaN rows, which the verification refuses."""
     if isinstance(temperature, torch.Tensor):
         greedy = (temperature == 0) | greedy
     elif temperature == 0:
@@ -69,8 +66,29 @@ def rejection_sample_logits_torch(target_logits: torch.Tensor, draft_logits: tor
     else:
         target_probs = process_logits(target_logits, temperature, top_k, top_p)
         draft_probs = process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
-    return rejection_sample_torch(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy=greedy,
-                                  generator=generator, seed=seed, noise=noise)
+    return _verify(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, generator, seed, noise,
+                   None, refuse_as=LOGITS_ARGS if checks is None else None)
+
+
+def _verify(target: torch.Tensor, draft: torch.Tensor | None, draft_token_ids: torch.Tensor,
+            num_draft_tokens: torch.Tensor | None, greedy: bool | torch.Tensor, generator: torch.Generator | None,
+            seed: int | torch.Tensor | None, noise: RejectionNoise | None, checks: ValueChecks | None,
+            refuse_as: tuple[str, str] | None) -> RejectionOutput:
+    """`rejection_sample_torch` on ``target`` / ``draft`` rows (probabilities, or raw logits where
+    every row is greedy at temperature 0); ``refuse_as``: the arguments to name when a value read
+    leaves no token (None: the op validates them instead)."""
+    B, K1, _ = target.shape
+    K = K1 - 1
+    ids, n = _sanitize(draft_token_ids, num_draft_tokens, B, K)
+    ragged = num_draft_tokens is not None
+    if greedy is True:  # every row verifies by argmax: no noise, no residuals
+        return _greedy_verify(target, ids, n, checks, ragged, refuse_as)
+    if noise is None:
+        noise = make_rejection_noise(B, K, generator=generator, seed=seed, device=target.device)
+    elif noise.uniform is None:
+        raise ValueError("the torch backend consumes noise.uniform ([B, 2] float32); it is None")
+    greedy_rows = greedy if isinstance(greedy, torch.Tensor) else None
+    return _rejection_sample(target, draft, ids, n, greedy_rows, noise, checks, ragged, refuse_as)
 
 
 def _sanitize(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor | None, B: int, K: int
@@ -104,8 +122,9 @@ def _chunk_sums(w: torch.Tensor) -> torch.Tensor:
 def _pick(cdf: torch.Tensor, u: torch.Tensor, size: int) -> torch.Tensor:
     """First index whose prefix sum exceeds ``u * total`` (``u`` in [0, 1)), ``[B, 1]`` int64.
 
-    An entry of weight 0 is never picked. All-zero or NaN rows (possible only without
-    validation) get an index guard, so the result stays in ``[0, size)``.
+    An entry of weight 0 is never picked. Rows without mass (all zero or negative: possible only
+    without validation) get an index guard, so the result stays in ``[0, size)``; non-finite rows
+    never get here (`refuse_rows_without_token` raises first).
     """
     return torch.searchsorted(cdf, u.double() * cdf[:, -1:], right=True).clamp_max(size - 1)
 
@@ -119,9 +138,11 @@ def _rejection_sample(
     noise: RejectionNoise,
     checks: ValueChecks | None,
     ragged: bool,
+    refuse_as: tuple[str, str] | None,
 ) -> RejectionOutput:
     """Vectorized, sync-free rejection sampling (no Python loop over rows). ``greedy``: ``[B]``
-    bool rows verified by argmax, or None for none; ``ragged``: whether ``n`` came from the caller."""
+    bool rows verified by argmax, or None for none; ``ragged``: whether ``n`` came from the caller;
+    ``refuse_as``: as in `_verify`."""
     B, K1, V = target.shape
     K = K1 - 1
     device = target.device
@@ -150,10 +171,14 @@ def _rejection_sample(
     if checks is not None:  # the row's sum is its chunk sums' sum; NaN and inf reach it too
         p_row = (w.amin(-1), chunk_p.sum(-1))
     jd = j.clamp_max(K - 1) if K > 0 else j  # a valid row index; only used where j < n <= K
+    q_sum = None
     if K > 0 and draft is not None:
         q_j = draft.reshape(B * K, V).index_select(0, rows * K + jd)
+        if checks is not None or refuse_as is not None:
+            # The clamp below hides +inf in q_j: its sum shows NaN and inf alike.
+            q_sum = q_j.sum(-1) if q_j.dtype == torch.float32 else q_j.sum(-1, dtype=torch.float32)
         if checks is not None:
-            q_row = (q_j.amin(-1), q_j.sum(-1) if q_j.dtype == torch.float32 else q_j.sum(-1, dtype=torch.float32))
+            q_row = (q_j.amin(-1), q_sum)
         w.sub_(q_j).clamp_min_(0.0)  # max(p_j - q_j, 0), in float32
     elif K > 0:
         x_j = safe_ids.gather(1, jd[:, None])
@@ -186,7 +211,29 @@ def _rejection_sample(
         require_values_read(checks, target.dtype, V, n, j, False if greedy is None else greedy, ragged=ragged,
                             p_x=p_x, q_x=q_x, p_row=p_row, q_row=q_row,
                             maxima=None if greedy is None else maxima)
+    if refuse_as is not None:
+        # Values read: the drafted tokens' probabilities up to the first rejection, then the row
+        # sampled from (its chunk sums: NaN or inf in it reaches them), and q_j at a rejection.
+        pos = torch.arange(K, device=device)
+        tested = (pos <= j[:, None]) & (pos < n[:, None]) & valid_id
+        bad_t = (~p_x.isfinite() & tested).any(-1) | ~cdf_p[:, -1].isfinite()
+        bad_d = torch.zeros_like(bad_t)
+        if q_x is not None:
+            bad_d = (~q_x.isfinite() & tested).any(-1)
+            if q_sum is not None:
+                bad_d |= is_rejection & ~q_sum.isfinite()
+        if greedy is not None:
+            bad_t = torch.where(greedy, _greedy_rows_without_argmax(maxima, j), bad_t)
+            bad_d &= ~greedy
+        refuse_rows_without_token(torch.stack((bad_t, bad_d)), refuse_as)
     return _output(ids, j, token)
+
+
+def _greedy_rows_without_argmax(maxima: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: rows whose maxima ``[B, K+1]`` (NaN wherever a NaN is in the row) are not
+    finite at a position ``<= j``, the rows greedy verification read."""
+    read = torch.arange(maxima.shape[1], device=maxima.device) <= j[:, None]
+    return (~maxima.isfinite() & read).any(-1)
 
 
 def _output(ids: torch.Tensor, j: torch.Tensor, token: torch.Tensor) -> RejectionOutput:
@@ -201,13 +248,17 @@ def _output(ids: torch.Tensor, j: torch.Tensor, token: torch.Tensor) -> Rejectio
     return RejectionOutput(token_ids, j)
 
 
-def _greedy_verify(target: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, checks: ValueChecks | None = None,
-                   ragged: bool = True) -> RejectionOutput:
+def _greedy_verify(target: torch.Tensor, ids: torch.Tensor, n: torch.Tensor, checks: ValueChecks | None,
+                   ragged: bool, refuse_as: tuple[str, str] | None) -> RejectionOutput:
     """Every row greedy: drafts are kept while they equal the argmax (the first maximum) of
     ``target`` [B, K+1, V], the target's probabilities (or its raw logits at temperature 0, where
-    process_logits' one-hot sits at their argmax), then the argmax is emitted; no noise."""
+    process_logits' one-hot sits at their argmax), then the argmax is emitted; no noise. The
+    maxima serve the checks and the refusal of rows without an argmax (NaN, +inf, only -inf)."""
     maxima, argmax = target.max(-1)  # [B, K+1], the first maximum's index
     j = first_rejection_index_torch(ids == argmax[:, : ids.shape[1]], n)
     if checks is not None:
         require_values_read(checks, target.dtype, target.shape[-1], n, j, True, ragged=ragged, maxima=maxima)
+    if refuse_as is not None:
+        bad_t = _greedy_rows_without_argmax(maxima, j)
+        refuse_rows_without_token(torch.stack((bad_t, torch.zeros_like(bad_t))), refuse_as)
     return _output(ids, j, argmax.gather(1, j[:, None]).squeeze(1))

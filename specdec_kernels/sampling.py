@@ -20,8 +20,10 @@ Terms, used the same way in every module of the sampler:
   ``argmax p_j`` at the first mismatch, or at the bonus position.
 
 This is Leviathan et al. 2022, Algorithm 1 (Chen et al. 2023), batched: the emitted tokens are
-distributed exactly as tokens sampled from the target alone. No random number is ever clamped;
-emitted ids are always in ``[0, V)``, even for invalid inputs passed with ``validate=False``.
+distributed exactly as tokens sampled from the target alone. No random number is ever clamped.
+Emitted ids are always in ``[0, V)``: finite invalid inputs passed with ``validate=False`` get
+index guards, and a value read that no token can come from (NaN or inf; a logits row of only
+-inf) raises `DeviceCheckError` on every backend, checked on the device without a host sync.
 
 Public ops (each dispatches on ``backend=``, see `specdec_kernels._backend`):
 
@@ -119,7 +121,8 @@ def rejection_sample(
             summing to 1; the largest entry of the rows greedy rows take the argmax of finite and in
             ``(0, 1]``. Rows the sampler never reads in full are not summed: that would cost more
             than the sampler. Default: True for CPU tensors, False otherwise. Without validation,
-            emitted ids are still always in ``[0, V)``.
+            emitted ids are still always in ``[0, V)``, and NaN or inf among the values read
+            raises `DeviceCheckError` (sync-free; on CUDA a device-side assert).
         backend: ``"auto"`` | ``"reference"`` | ``"torch"`` | ``"triton"``.
 
     Returns:
@@ -128,6 +131,7 @@ def rejection_sample(
 
     Raises:
         TypeError, ValueError: naming the argument (bad type, shape, dtype, device, or value).
+        DeviceCheckError: (a ValueError) without validation, a value read is NaN or inf.
 
     Example::
 
@@ -185,7 +189,8 @@ def rejection_sample_logits(
         validate: check that every row of logits the sampler may read has a finite largest value,
             also after the temperature (no NaN, no +inf, not all -inf; -inf entries are allowed),
             and that ids, counts and explicit noise are in range; one host read. Default: True for
-            CPU tensors.
+            CPU tensors. Without validation, such a row raises `DeviceCheckError` where the
+            sampler reads it (sync-free; on CUDA a device-side assert).
 
     Returns:
         `RejectionOutput` (``token_ids`` ``[B, K+1]`` int64, ``num_accepted`` ``[B]`` int64).
@@ -199,7 +204,7 @@ def rejection_sample_logits(
         require_logit_rows(checks, target_logits, draft_logits, num_draft_tokens, temperature)
     out = _REJECTION_SAMPLE_LOGITS[backend](
         target_logits, draft_logits, draft_token_ids, num_draft_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, greedy=greedy, generator=generator, seed=seed, noise=noise,
+        top_p=top_p, greedy=greedy, generator=generator, seed=seed, noise=noise, checks=checks,
     )
     if checks is not None:
         checks.raise_first_failure()

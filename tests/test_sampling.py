@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdec_kernels import (
+    DeviceCheckError,
     RejectionNoise,
     first_rejection_index,
     make_rejection_noise,
@@ -317,15 +318,22 @@ def test_known_outcomes_without_draft_probs(backend):
     assert row1 <= {(1, 2, 3), (4, -1, -1)} and len(row1) == 2
 
 
-def test_zero_residual_mass_falls_back_to_target(backend):
+@pytest.mark.parametrize("validate", [False, True], ids=["no-validation", "validate"])
+def test_zero_residual_mass_falls_back_to_target(backend, validate):
     """p_0 == q_0 (one-hot at 2) and the draft 4 has q = 0, so it is rejected with a residual
-    max(p - q, 0) that is zero everywhere: the corrected token comes from p_0, i.e. 2."""
+    max(p - q, 0) that is zero everywhere: the corrected token comes from p_0, i.e. 2. Finite
+    inputs keep this fallback on every path, from probabilities and from logits (-inf entries
+    are finite inputs: tokens filtered out)."""
     V = 5
     p = one_hot(V, 2, 0)[None]
     q = one_hot(V, 2)[None]
     ids = torch.tensor([[4]])  # q(4) = 0 -> rejected; residual max(p - q, 0) = 0 everywhere
-    out = rejection_sample(p, q, ids, seed=0, backend=backend)
-    assert out.token_ids.tolist() == [[2, -1]] and out.num_accepted.tolist() == [0]
+    logits = torch.full((1, 2, V), float("-inf"))
+    logits[0, :, 2] = 1.5  # softmax: one-hot at 2 in both rows
+    for out in (rejection_sample(p, q, ids, seed=0, validate=validate, backend=backend),
+                rejection_sample_logits(logits, logits[:, :1].clone(), ids, seed=0, validate=validate,
+                                        backend=backend)):
+        assert out.token_ids.tolist() == [[2, -1]] and out.num_accepted.tolist() == [0]
 
 
 @pytest.mark.parametrize("backend_", ["reference", "torch", pytest.param("triton", marks=needs_triton)])
@@ -676,25 +684,122 @@ def test_bad_temperature_rows_raise(temperature):
             fn(logits, temperature)
 
 
-@pytest.mark.parametrize("row", ["nan", "all -inf"])
-def test_sample_logits_refuses_a_row_without_a_distribution(row):
-    """A NaN or all -inf row has no token to sample: an error, not token 0."""
-    logits = torch.randn(3, 10)
-    logits[1] = float("nan") if row == "nan" else float("-inf")
-    with pytest.raises(ValueError, match="logits"):
-        sample_logits(logits, 1.0, generator=torch.Generator().manual_seed(0))
+# --------------------------------------------------------------------------- values no token comes from
+
+#: Faults that leave a row without a token, applied to one row of V = 11 entries (entry 2 is the
+#: drafted token of the row they hit, so entries 5 and 7 are not the one the acceptance test reads).
+NO_TOKEN = {
+    "nan-row": lambda row: row.fill_(float("nan")),
+    "one-nan": lambda row: row[5:6].fill_(float("nan")),
+    "plus-inf": lambda row: row[7:8].fill_(float("inf")),
+    "minus-inf-row": lambda row: row.fill_(float("-inf")),
+}
+#: Sampler settings that force each branch: greedy, sampled (also with top-k / top-p, which adds the
+#: thresholds kernel), per-row greedy flags, and a bonus-only row (count 0: position 0 is the bonus).
+LOGIT_SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "T0.8": dict(temperature=0.8),
+    "T0.8-topk-topp": dict(temperature=0.8, top_k=5, top_p=0.9),
+    "row1-greedy": dict(temperature=torch.tensor([0.8, 0.0, 0.8])),
+    "row1-bonus": dict(temperature=0.8, counts=torch.tensor([3, 0, 3])),
+}
+PROB_SETTINGS = {
+    "sampled": dict(),
+    "greedy": dict(greedy=True),
+    "row1-greedy": dict(greedy=torch.tensor([False, True, False])),
+    "row1-bonus": dict(counts=torch.tensor([3, 0, 3])),
+}
+#: Draft rows a greedy or bonus-only row never reads: nothing to refuse without validation.
+_DRAFT_UNREAD = ("greedy", "row1-greedy", "row1-bonus")
+#: Per input kind: the op, its settings, and how the validation and the refusal word the fault.
+NO_TOKEN_OPS = {
+    "logits": (rejection_sample_logits, LOGIT_SETTINGS, "has a row with NaN", r"hold NaN, \+inf or only -inf"),
+    "probs": (rejection_sample, PROB_SETTINGS, "contains NaN or inf", "hold NaN or inf"),
+}
 
 
-@pytest.mark.parametrize("poison", ["nan", "inf", "negative", "ids", "counts"])
+def _no_token_cases():
+    cases = []
+    for kind, (_, settings, _, _) in NO_TOKEN_OPS.items():
+        for fault in NO_TOKEN:
+            for which in ("target", "draft"):
+                for setting in settings:
+                    for validate in (False, True):
+                        # Validating logits checks the draft rows of greedy rows too (not those past a
+                        # row's count); validating probabilities checks only what the sampler reads.
+                        checked = validate and kind == "logits" and setting != "row1-bonus"
+                        if which == "draft" and setting in _DRAFT_UNREAD and not checked:
+                            continue
+                        name = f"{kind}-{fault}-{which}-{setting}-" + ("validate" if validate else "no-validation")
+                        cases.append(pytest.param(kind, fault, which, setting, validate, id=name))
+    return cases
+
+
+def _bad_row_inputs(fault: str, which: str, kind: str):
+    """B=3, K=3, V=11 target / draft rows (logits, or their softmax) with ``fault`` in batch row 1,
+    position 0, which every row reads; row 1's draft token 2 has target probability 0, so sampling
+    rejects it and reads the full target and draft rows at position 0."""
+    g = torch.Generator().manual_seed(3)
+    target, draft = torch.randn(3, 4, 11, generator=g), torch.randn(3, 3, 11, generator=g)
+    ids = torch.randint(0, 11, (3, 3), generator=g)
+    ids[1, 0] = 2
+    target[1, 0, 2] = float("-inf")
+    if kind == "probs":
+        target, draft = torch.softmax(target, -1), torch.softmax(draft, -1)
+    NO_TOKEN[fault]((target if which == "target" else draft)[1, 0])
+    return target, draft, ids
+
+
+@pytest.mark.parametrize("kind,fault,which,setting,validate", _no_token_cases())
+def test_values_without_a_token_raise_on_every_backend(backend, kind, fault, which, setting, validate):
+    """NaN anywhere in a row, +inf, or a row of only -inf, in target or draft logits or
+    probabilities the sampler reads (the rows it samples from, the drafted tokens' entries, a greedy
+    row's maximum): every backend raises, with validation (ValueError) and without
+    (DeviceCheckError, checked on the device), instead of emitting an id chosen by an index guard."""
+    op, settings, validated, refused = NO_TOKEN_OPS[kind]
+    target, draft, ids = _bad_row_inputs(fault, which, kind)
+    kwargs = dict(settings[setting])
+    counts = kwargs.pop("counts", None)
+    name = f"{which}_{kind}"
+    error, match = (ValueError, f"{name} {validated}") if validate else (
+        DeviceCheckError, rf"{name}: batch row\(s\) \[1\] {refused}")
+    with pytest.raises(error, match=match):
+        op(target, draft, ids, counts, seed=0, validate=validate, backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("fault", NO_TOKEN)
+def test_draft_rows_a_greedy_row_never_reads_are_ignored_without_validation(backend, fault):
+    """Greedy verification reads target rows only: draft logits it never reads change nothing."""
+    _, clean_draft, _ = _bad_row_inputs("nan-row", "target", "logits")  # the same draft rows, no fault
+    target, draft, ids = _bad_row_inputs(fault, "draft", "logits")
+    expected = rejection_sample_logits(target, clean_draft, ids, temperature=0.0, validate=False, backend=backend)
+    out = rejection_sample_logits(target, draft, ids, temperature=0.0, validate=False, backend=backend)
+    assert torch.equal(out.token_ids, expected.token_ids) and torch.equal(out.num_accepted, expected.num_accepted)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-39, 0.8, "per-row"])
+@pytest.mark.parametrize("fault", NO_TOKEN)
+def test_sample_logits_refuses_a_row_without_a_distribution(fault, temperature):
+    """A row with NaN, +inf or only -inf has no token to sample, greedy or not: an error, not a
+    made-up id."""
+    logits = torch.randn(3, 11)
+    NO_TOKEN[fault](logits[1])
+    t = torch.tensor([0.8, 0.0, 0.8]) if temperature == "per-row" else temperature
+    with pytest.raises(DeviceCheckError, match="logits"):
+        sample_logits(logits, t, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("poison", ["zeros", "negative", "ids", "counts"])
 def test_invalid_values_without_validation_stay_in_range(backend, poison):
+    """Finite invalid inputs (rows without mass, negative probabilities, ids and counts out of
+    range) are not refused without validation: index guards keep every emitted id in [0, V)."""
     B, K, V = 4, 3, 37
     p, q, ids, n, _, _ = make_case(B, K, V, torch.float32, draft=True, ragged=True, greedy="none")
     greedy = torch.tensor([False, True, False, True])
-    if poison == "nan":
-        p[:, :, ::3] = float("nan")
-        q[1] = float("nan")
-    elif poison == "inf":
-        p[:, :, 5] = float("inf")
+    if poison == "zeros":
+        p[:, :, : V // 2] = 0.0
+        p[2] = 0.0
+        q[1] = 0.0
     elif poison == "negative":
         p = -p
         q[0] = -q[0]
@@ -759,14 +864,15 @@ needs_interpreter = pytest.mark.skipif(
 
 def minimum_bytes_probs(p, q, n, out, greedy) -> int:
     """Analytic minimum of the probability sampler: per row the ids and the gathers p_i(x_i),
-    q_i(x_i) up to the first rejection, one full row of p (and q at a rejection), the outputs,
-    plus the row's scalars (count, greedy flag, seed). Greedy rows read p rows 0..j in full."""
+    q_i(x_i) up to the first rejection, one full row of p (and q at a rejection), the outputs
+    (tokens, count, the flags of rows without a token), plus the row's scalars (count, greedy
+    flag, seed). Greedy rows read p rows 0..j in full."""
     B, K1, V = p.shape
     es = p.element_size()
     total = 0
     for b in range(B):
         nb, j = int(n[b]), int(out.num_accepted[b])
-        total += 8 + 1 + 8 + K1 * 8 + 8  # count, greedy, seed; outputs
+        total += 8 + 1 + 8 + K1 * 8 + 8 + 2  # count, greedy, seed; outputs and the two flags
         if greedy[b]:
             total += (j + 1) * V * es + min(j + 1, nb) * 8
             continue
@@ -811,7 +917,7 @@ def test_triton_logits_bytes_within_115_percent_of_minimum():
     minimum = 0
     for b in range(B):
         nb, j = int(n[b]), int(out.num_accepted[b])
-        minimum += 8 + 1 + 4 + 8 + (K + 1) * 8 + 8
+        minimum += 8 + 1 + 4 + 8 + (K + 1) * 8 + 8 + 2  # row inputs; outputs and the two flags
         scanned = min(j + 1, nb)
         minimum += scanned * (2 * row + 8 + 2 * 4)  # normalizer passes of target and draft rows, gathers
         minimum += 2 * row if j < nb else row  # residual row (target and draft) or the bonus row

@@ -1,9 +1,10 @@
 """Reference speculative verification: one row at a time, as in Leviathan et al. 2022, Algorithm 1.
 
-Same signatures as `specdec_kernels.sampling` (without ``validate`` and ``backend``; `rejection_sample`
-adds ``checks=``, the values it read for the op's validation); slow on
-purpose (Python loops over rows and positions, host reads everywhere). The random inputs come from
-`RejectionNoise`, so a fast path that consumes the same noise must produce the same tokens.
+Same signatures as `specdec_kernels.sampling` (without ``validate`` and ``backend``; both samplers
+add ``checks=``, the op's validation, or None); slow on purpose (Python loops over rows and
+positions, host reads everywhere). The random inputs come from `RejectionNoise`, so a fast path
+that consumes the same noise must produce the same tokens. Without ``checks``, a value read that
+no token can come from raises, as on every backend (`refuse_rows_without_token`).
 
 Imports only torch and the modules the fast paths share with it (types, noise, input checks),
 never a fast path: the oracle cannot share a bug with what it judges.
@@ -15,7 +16,13 @@ import torch
 
 from .._checks import ValueChecks
 from .._noise import make_rejection_noise
-from .._sampling_checks import effective_temperature, require_values_read_after
+from .._sampling_checks import (
+    LOGITS_ARGS,
+    PROBS_ARGS,
+    effective_temperature,
+    refuse_rows_without_token,
+    require_values_read_after,
+)
 from .._types import SAMPLE_CHUNK, RejectionNoise, RejectionOutput
 
 
@@ -93,8 +100,33 @@ def rejection_sample(
     Shapes: target ``[B, K+1, V]``, draft ``[B, K, V]`` or None, ids ``[B, K]``, counts ``[B]``.
     Samples with the exponential race when ``noise.exponential`` is given, else with the
     two-level inverse CDF of ``noise.uniform``. With ``checks`` (``validate=True``), the values
-    it read are added to them. Returns `RejectionOutput`.
+    it read are added to them; without, NaN or inf among them raises. Returns `RejectionOutput`.
     """
+    out, bad = _verify(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, generator, seed, noise)
+    if checks is not None:
+        require_values_read_after(checks, target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, out)
+    else:
+        refuse_rows_without_token(bad, PROBS_ARGS)
+    return out
+
+
+def _finite(x: torch.Tensor) -> bool:
+    return bool(x.isfinite().all())
+
+
+def _verify(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None,
+    greedy: bool | torch.Tensor,
+    generator: torch.Generator | None,
+    seed: int | torch.Tensor | None,
+    noise: RejectionNoise | None,
+) -> tuple[RejectionOutput, torch.Tensor]:
+    """`rejection_sample` without its checks: the output, and ``[2, B]`` bool flags of the batch
+    rows where a target (row 0) or draft (row 1) value read is NaN or inf: a greedy row's largest
+    entries, a drafted token's probabilities, the row a token is drawn from (and q_j at a rejection)."""
     B, K1, V = target_probs.shape
     K = K1 - 1
     device = target_probs.device
@@ -111,6 +143,7 @@ def rejection_sample(
     accept_u = noise.accept.cpu()
     token_ids = torch.full((B, K1), -1, dtype=torch.int64)
     num_accepted = torch.zeros(B, dtype=torch.int64)
+    bad = torch.zeros(2, B, dtype=torch.bool)
 
     for b in range(B):
         p, ids, n = p_all[b], ids_all[b], counts[b]
@@ -120,12 +153,15 @@ def rejection_sample(
             while accepted < n and int(ids[accepted]) == int(p[accepted].argmax()):
                 accepted += 1
             token = int(p[accepted].argmax())
+            bad[0, b] = not _finite(p[: accepted + 1].amax(-1))  # no argmax: NaN, +inf or only -inf
         else:
             rejected = False
             while accepted < n:
                 x = int(ids[accepted])
                 p_x = p[accepted, x] if 0 <= x < V else torch.tensor(0.0)
                 q_x = q_all[b, accepted, x] if q_all is not None and 0 <= x < V else torch.tensor(1.0)
+                bad[0, b] |= not _finite(p_x)
+                bad[1, b] |= not _finite(q_x)
                 if 0 <= x < V and q_x > 0 and accepted_by(accept_u[b, accepted], q_x, p_x):
                     accepted += 1
                 else:
@@ -136,6 +172,7 @@ def rejection_sample(
                 j = accepted
                 if q_all is not None:
                     q = q_all[b, j]
+                    bad[1, b] |= not _finite(q)
                 else:
                     q = torch.zeros(V)
                     x = int(ids[j])
@@ -146,6 +183,7 @@ def rejection_sample(
                     weights = p[j]
             else:
                 weights = p[accepted]  # bonus token from p_{n_b}
+            bad[0, b] |= not _finite(p[accepted])
             if noise.exponential is not None:
                 token = _sample_race(weights, noise.exponential[b].cpu())
             else:
@@ -153,10 +191,7 @@ def rejection_sample(
         token_ids[b, :accepted] = ids[:accepted]
         token_ids[b, accepted] = token
         num_accepted[b] = accepted
-    out = RejectionOutput(token_ids.to(device), num_accepted.to(device))
-    if checks is not None:
-        require_values_read_after(checks, target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, out)
-    return out
+    return RejectionOutput(token_ids.to(device), num_accepted.to(device)), bad.to(device)
 
 
 def accepted_by(u: torch.Tensor, q_x: torch.Tensor, p_x: torch.Tensor) -> bool:
@@ -177,9 +212,12 @@ def rejection_sample_logits(
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     noise: RejectionNoise | None = None,
+    checks: ValueChecks | None = None,
 ) -> RejectionOutput:
     """Reference of `specdec_kernels.rejection_sample_logits`: `process_logits` on both models'
-    logits, then `rejection_sample`; temperature-0 rows are greedy."""
+    logits, then `rejection_sample`; temperature-0 rows are greedy. ``checks``: the op's validation
+    of every logits row it may read; without it, a row read that leaves no token (NaN, +inf, only
+    -inf: a NaN row after `process_logits`) raises."""
     B = target_logits.shape[0]
     temperature = effective_temperature(temperature)
     if isinstance(temperature, torch.Tensor):
@@ -195,16 +233,10 @@ def rejection_sample_logits(
     draft_probs = (
         process_logits(draft_logits, temperature, top_k, top_p) if draft_logits is not None else None
     )
-    return rejection_sample(
-        target_probs,
-        draft_probs,
-        draft_token_ids,
-        num_draft_tokens,
-        greedy=greedy,
-        generator=generator,
-        seed=seed,
-        noise=noise,
-    )
+    out, bad = _verify(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, generator, seed, noise)
+    if checks is None:
+        refuse_rows_without_token(bad, LOGITS_ARGS)
+    return out
 
 
 def first_rejection_index(
