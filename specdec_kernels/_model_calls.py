@@ -54,17 +54,31 @@ def _forward(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = N
 
 
 def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
-                 max_seqlen: int | None = None, min_seqlen: int | None = None) -> torch.Tensor:
-    """[B, V] logits at each row's last real input position (``q_seqlens`` None: position T-1)."""
-    bounds = dict(max_seqlen=max_seqlen, min_seqlen=min_seqlen)
-    if _accepts(model, "last_only"):
-        logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, **bounds, last_only=True)
-        return logits[:, -1]
-    logits = _forward(model, input_ids, cache, q_seqlens, num_tokens, **bounds)
-    if q_seqlens is None:
-        return logits[:, -1]
-    index = (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
-    return logits.gather(1, index)[:, 0]
+                 max_seqlen: int | None = None, min_seqlen: int | None = None, return_hidden: bool = False):
+    """[B, V] logits at each row's last real input position (``q_seqlens`` None: position T-1);
+    with ``return_hidden``, also the model's hidden states there, [B, 1, H]."""
+    kwargs = dict(max_seqlen=max_seqlen, min_seqlen=min_seqlen, **_hidden_keyword(model, return_hidden))
+    last_only = _accepts(model, "last_only")
+    if last_only:
+        kwargs["last_only"] = True
+    out = _forward(model, input_ids, cache, q_seqlens, num_tokens, **kwargs)
+    logits, hidden = out if return_hidden else (out, None)
+    if last_only or q_seqlens is None:
+        logits, hidden = logits[:, -1], None if hidden is None else hidden[:, -1:]
+    else:
+        last = lambda t: t.gather(1, (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, t.shape[-1]))
+        logits, hidden = last(logits)[:, 0], None if hidden is None else last(hidden)
+    return (logits, hidden) if return_hidden else logits
+
+
+def _hidden_keyword(model, return_hidden: bool) -> dict:
+    """``{"return_hidden": True}`` when asked for, refusing a model whose forward cannot give them."""
+    if not return_hidden:
+        return {}
+    if not _accepts(model, "return_hidden"):
+        raise TypeError(f"the drafter needs the target's hidden states (needs_target_hidden = True), but "
+                        f"{type(model).__name__}.forward takes no return_hidden keyword")
+    return {"return_hidden": True}
 
 
 def _use_cuda_graphs(cuda_graphs: bool | None, models, device: torch.device) -> bool:
@@ -81,12 +95,18 @@ def _use_cuda_graphs(cuda_graphs: bool | None, models, device: torch.device) -> 
     return cuda_graphs
 
 
-def _decoding_forward(model, cache, name: str, graphs: bool, *, last_only: bool) -> Callable:
+def _decoding_forward(model, cache, name: str, graphs: bool, *, last_only: bool, return_hidden: bool = False
+                      ) -> Callable:
     """The loop's decoding forward of ``model``: ``fn(ids, cache, q_seqlens=None, num_tokens=None,
-    *, max_seqlen, min_seqlen)`` -> `_last_logits` (``last_only``) or `_forward`'s logits. With
-    ``graphs``, replayed from CUDA graphs (`GraphedForward`) on ``cache`` (a `KVCache`, whose
-    `select` keeps the object) at full capacity: ``num_tokens`` and the bounds are left out, they
-    would change the shapes (or the masks) every step."""
+    *, max_seqlen, min_seqlen)`` -> `_last_logits` (``last_only``) or `_forward`'s logits (with
+    ``return_hidden``: (logits, hidden states), never graphed). With ``graphs``, replayed from
+    CUDA graphs (`GraphedForward`) on ``cache`` (a `KVCache`, whose `select` keeps the object) at
+    full capacity: ``num_tokens`` and the bounds are left out, they would change the shapes (or
+    the masks) every step."""
+    if return_hidden:
+        keyword = _hidden_keyword(model, True)
+        return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: _forward(
+            model, ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, min_seqlen=min_seqlen, **keyword)
     forward = _last_logits if last_only else _forward
     if not graphs:
         return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: forward(
@@ -188,9 +208,12 @@ class _LogitsCheck:
         return logits
 
     def checked(self, name: str, vocab_size: int, forward: Callable) -> Callable:
-        """``forward`` (a `_decoding_forward`) with its logits checked."""
-        return lambda ids, cache, q_seqlens=None, *args, **kwargs: self(
-            name, vocab_size, forward(ids, cache, q_seqlens, *args, **kwargs), q_seqlens)
+        """``forward`` (a `_decoding_forward`) with its logits checked (the first of a tuple)."""
+        def run(ids, cache, q_seqlens=None, *args, **kwargs):
+            out = forward(ids, cache, q_seqlens, *args, **kwargs)
+            self(name, vocab_size, out[0] if isinstance(out, tuple) else out, q_seqlens)
+            return out
+        return run
 
     def raise_if_failed(self, flags: list[int]) -> None:
         for name, failed in zip(self.names, flags, strict=True):

@@ -495,7 +495,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             where no draft pays for its verification decodes plainly. False: K every step.
         other arguments: as in `generate`; the cache capacity also needs room for one step's K
             drafts (default and least: longest prompt + max_new_tokens - 1 + K). With CUDA
-            graphs one graph is recorded per batch size and verify width.
+            graphs one graph is recorded per batch size and verify width (none for a drafter that
+            needs the target's hidden states: the target's forward must take ``return_hidden``).
 
     Returns:
         `GenerationOutput`; ``stats`` has acceptance counts, the draft lengths chosen, forward
@@ -524,8 +525,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     rows, host_rows = torch.arange(B, device=device), list(range(B))
     cache = _new_cache(target, "target", B, request.max_len, device)
     check = _LogitsCheck(device, ("target model", "draft model", "drafter"))
-    graphs = _use_cuda_graphs(cuda_graphs, (target,), device)
-    verify = check.checked("target model", V, _decoding_forward(target, cache, "target", graphs, last_only=False))
+    hidden = getattr(drafter, "needs_target_hidden", False) is True  # the target's features, for the drafter
+    graphs = _use_cuda_graphs(cuda_graphs, (target,), device) and not hidden
+    verify = check.checked("target model", V, _decoding_forward(target, cache, "target", graphs, last_only=False,
+                                                                   return_hidden=hidden))
     sample_draft = lambda logits: request.sample(check("draft model", V, logits))
 
     def propose(asked: list[int], logits_like: torch.Tensor) -> tuple:
@@ -541,8 +544,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         return ids, num, logits
 
     with timer("prefill"):
-        logits = check("target model", V, _last_logits(target, request.prompt, cache, request.prompt_lengths,
-                                                        request.prompt_tokens, max_seqlen=request.prompt.shape[1]))
+        out = _last_logits(target, request.prompt, cache, request.prompt_lengths, request.prompt_tokens,
+                           max_seqlen=request.prompt.shape[1], return_hidden=hidden)
+        logits, states = out if hidden else (out, None)
+        check("target model", V, logits)
     stats.target_forwards += 1
     with timer("draft prefill"):
         drafter.prefill(request.prompt, request.prompt_lengths, request.max_len)
@@ -552,7 +557,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     while True:
         kept, done = outputs.write(rows, new, accepted + 1, request.eos)
         stream.add(host_rows, kept, new)
-        drafter.commit(new, accepted + 1)
+        if hidden:
+            drafter.commit(new, accepted + 1, hidden_states=states)
+        else:
+            drafter.commit(new, accepted + 1)
         draft_ids, num_drafts, draft_logits = propose(asked, logits)
         # The one transfer: finished rows, bounds for the verify forward, this step's drafts and
         # the last step's acceptance (for the draft lengths), the streamer's tokens.
@@ -582,9 +590,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 start = cache.lengths.clone()
                 verify_ids = torch.cat([token[:, None], draft_ids[:, :widest]], 1)
                 ragged = fewest < widest  # rows with fewer drafts: the model may skip their padding
-                target_logits = verify(verify_ids, cache, num_drafts + 1 if ragged else None,
-                                       b + total if ragged else None, max_seqlen=longest + widest + 1,
-                                       min_seqlen=shortest + fewest + 1)
+                out = verify(verify_ids, cache, num_drafts + 1 if ragged else None, b + total if ragged else None,
+                             max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
+                target_logits, states = out if hidden else (out, None)
             stats.target_forwards += 1
             with timer("sampler"):
                 if widest == 0:

@@ -198,7 +198,8 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
                 last_only: bool = False, num_tokens: int | None = None, max_seqlen: int | None = None,
-                min_seqlen: int | None = None) -> torch.Tensor:
+                min_seqlen: int | None = None, return_hidden: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
 
         Args:
@@ -220,16 +221,21 @@ class Llama(nn.Module):
                 knows one on the host (checked on the device likewise). The CPU attention path
                 then multiplies V's positions below it in place (see `RaggedAttentionPlan`);
                 when it equals the positions read (one row, ``max_seqlen`` exact), all of them.
+            return_hidden: also return the last layer's hidden states, before the final norm
+                (what EAGLE-style draft heads read; see `specdec_kernels.Drafter`).
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
-            meaningless values.
+            meaningless values. With ``return_hidden``: (logits, hidden states [B, T, H] or
+            [B, 1, H]).
         """
         with self.weights_lock.shared():
-            return self._forward(input_ids, cache, q_seqlens, last_only, num_tokens, max_seqlen, min_seqlen)
+            return self._forward(input_ids, cache, q_seqlens, last_only, num_tokens, max_seqlen, min_seqlen,
+                                 return_hidden)
 
     def _forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None, last_only: bool,
-                 num_tokens: int | None, max_seqlen: int | None, min_seqlen: int | None) -> torch.Tensor:
+                 num_tokens: int | None, max_seqlen: int | None, min_seqlen: int | None, return_hidden: bool
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -255,9 +261,10 @@ class Llama(nn.Module):
                 x = x[q_seqlens.cumsum(0) - 1].view(B, 1, -1)
             else:
                 x = x.gather(1, (q_seqlens - 1).view(B, 1, 1).expand(B, 1, x.shape[-1]))
-            return self.output(self.norm(x)).contiguous()
-        logits = step.unpack(self.output(self.norm(x)))
-        return logits.contiguous()  # [B, T, V] rows, vocab contiguous
+            logits = self.output(self.norm(x)).contiguous()
+            return (logits, x) if return_hidden else logits
+        logits = step.unpack(self.output(self.norm(x))).contiguous()  # [B, T, V] rows, vocab contiguous
+        return (logits, step.unpack(x)) if return_hidden else logits
 
     @staticmethod
     def _positions_read(cache_seqlens: torch.Tensor, max_seqlen: int | None, T: int, capacity: int) -> int:

@@ -331,3 +331,53 @@ def test_transformers_text_streamer_works_unchanged(target, capsys):
 def test_streamer_must_have_put_and_end(target):
     with pytest.raises(TypeError, match="streamer must have put"):
         generate(target, torch.tensor([[1, 2]]), max_new_tokens=2, streamer=print)
+
+
+class HiddenReader(RepeatLastToken):
+    """A drafter asking for the target's hidden states, which it records."""
+
+    needs_target_hidden = True
+
+    def prefill(self, input_ids, q_seqlens, max_len):
+        super().prefill(input_ids, q_seqlens, max_len)
+        self.seen = []
+
+    def commit(self, token_ids, num_tokens, hidden_states=None):
+        super().commit(token_ids, num_tokens)
+        self.seen.append((token_ids, num_tokens, hidden_states))
+
+
+@pytest.mark.parametrize("prompt", [[5, 17, 33, 2, 5, 17], [9, 9, 9, 9]])
+def test_a_drafter_asking_for_hidden_states_gets_those_that_produced_each_token(target, prompt):
+    ids = torch.tensor([prompt])
+    drafter = HiddenReader()
+    out = speculative_generate(target, drafter, ids, max_new_tokens=12, temperature=0, num_draft_tokens=3,
+                               adaptive=False)
+    sequence = torch.cat([ids[0], out.tokens[0]])[None]
+    with torch.no_grad():
+        _, every = target(sequence, target.new_cache(1, sequence.shape[1]), return_hidden=True)
+    position = len(prompt) - 1  # the position whose hidden state produced the next committed token
+    for token_ids, num, states in drafter.seen:
+        n = int(num[0])
+        assert states.shape == (1, token_ids.shape[1], target.config.hidden_size)
+        torch.testing.assert_close(states[0, :n], every[0, position: position + n], atol=1e-4, rtol=1e-4)
+        position += n
+    assert position >= len(prompt) - 1 + 12
+
+
+def test_hidden_states_need_a_target_that_returns_them(target):
+    class NoHidden(torch.nn.Module):
+        vocab_size = V
+
+        def __init__(self):
+            super().__init__()
+            self.inner = target
+
+        def new_cache(self, batch_size, max_len):
+            return target.new_cache(batch_size, max_len)
+
+        def forward(self, input_ids, cache, q_seqlens=None):
+            return self.inner(input_ids, cache, q_seqlens)
+
+    with pytest.raises(TypeError, match="takes no return_hidden keyword"):
+        speculative_generate(NoHidden(), HiddenReader(), torch.tensor([[1, 2, 3]]), max_new_tokens=4)
