@@ -3,20 +3,23 @@
 A step costs about ``O + V(n) + D(w)``: the loop's own time O, a target forward over n tokens
 ``V(n) = v0 + v1 n`` (n = running rows + drafts verified) and drafting w tokens ``D(w) = d w``.
 A row asking for k drafts gains, besides the one token every step gives,
-``G(k) = f a (1 - a^k) / (1 - a)`` accepted tokens in expectation: a is its acceptance rate per
-draft token, f the share of the tokens it asks for that it gets (prompt lookup rows without a
-match get none). Each step the policy picks the lengths ``k_b <= K`` that maximize expected
-tokens per second ``sum_b (1 + G_b(k_b)) / (O + V(b + sum_b f_b k_b) + D(max_b k_b))`` by
-Dinkelbach's method: at a trial rate R each row maximizes ``G_b(k) - R v1 f_b k`` under a common
-cap w, and the best cap's rate is the next R. All rows at 0 is a plain decoding step, chosen
-whenever no draft pays for its verification.
+``G(k) = f a (1 + c_2 + c_2 c_3 + ... + c_2 ... c_k)`` accepted tokens in expectation: a is the
+row's rate of accepting its first draft, c_j the rate of accepting draft j once draft j - 1 was
+(pooled over rows: drafts come in runs, a copied span right to its end or wrong from its first
+token, which one rate per token would miss), f the share of the tokens the row asks for that it
+gets (prompt lookup rows without a match get none). Each step the policy picks the lengths
+``k_b <= K`` that maximize expected tokens per second
+``sum_b (1 + G_b(k_b)) / (O + V(b + sum_b f_b k_b) + D(max_b k_b))`` by Dinkelbach's method: at
+a trial rate R each row maximizes ``G_b(k) - R v1 f_b k`` under a common cap w, and the best
+cap's rate is the next R. All rows at 0 is a plain decoding step, chosen whenever no draft pays
+for its verification.
 
 Every estimate is forgotten exponentially, step by step (acceptance slowly, `DECAY`; times
-fast, `COST_DECAY`, as a slow start or a change of load soon stops counting), so it follows
-the text as it changes; a row whose drafts kept failing also drifts back to the prior (a = 1/2) and is
-probed again with one draft token, after enough plain steps that the probes cost little. The
-first three steps draft one token per row: before costs are measured nothing is known of them
-(the first step's are not used: it pays one-time costs).
+fast, `COST_DECAY`, so that a slow start or a change of load soon stops counting), so it
+follows the text as it changes; a row whose drafts kept failing also drifts back to the prior
+(rates of 1/2) and is probed again with one draft token, after enough plain steps that the
+probes cost little. Before costs are measured the first two steps draft one token per row
+(the first step's times are not used: it pays one-time costs) and the third none.
 
 The estimates live on the host: what they need (accepted counts, draft counts, phase times)
 arrives in the loop's one transfer per step, so choosing adds no synchronization.
@@ -69,15 +72,17 @@ class DraftLengths:
         self.chosen: dict[int, int] = {}  # the lengths of the proposal being made
         self.verified: tuple[list[tuple[int, int, int]], int] | None = None  # (row, asked, got), tokens
         self.clock = time.perf_counter()
-        # Forgotten sums per row: accepted drafts, rejections (a step that stopped short of its
-        # drafts), tokens asked for and tokens proposed.
-        self.accepted, self.rejected = [0.0] * batch_size, [0.0] * batch_size
+        # Forgotten sums per row: steps with a first draft, first drafts accepted, tokens asked
+        # for and tokens proposed; pooled over rows, per draft position j >= 2: drafts reached
+        # (their predecessor accepted) and accepted.
+        self.first_drafts, self.first_accepted = [0.0] * batch_size, [0.0] * batch_size
         self.asked, self.got = [0.0] * batch_size, [0.0] * batch_size
+        self.reached, self.passed = [0.0] * (max_tokens + 1), [0.0] * (max_tokens + 1)
         self.counts = [[0] * (max_tokens + 1) for _ in range(batch_size)]
         self.verify = _DecayedLine()  # seconds of target forward + sampling vs tokens verified
         self.draft_seconds = self.draft_tokens = 0.0  # forgotten sums: D(w) = d w
         self.overhead = None  # seconds per step outside verification and drafting
-        self.steps_seen = 0
+        self.steps_chosen = self.steps_seen = 0
 
     def choose(self, rows: list[int], generated: dict[int, int]) -> list[int]:
         """Draft lengths (0 .. K) for the batch's ``rows``, in order. ``generated``: each row's
@@ -87,7 +92,7 @@ class DraftLengths:
         if not self.adaptive:
             lengths = [self.K] * len(rows)
         elif not self._ready():
-            lengths = [1] * len(rows)
+            lengths = [1 if self.steps_chosen < 2 else 0] * len(rows)
         else:
             lengths = self._best(rows)
         lengths = [max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
@@ -95,6 +100,7 @@ class DraftLengths:
         for row, k in zip(rows, lengths, strict=True):
             self.counts[row][k] += 1
         self.chosen = dict(zip(rows, lengths, strict=True))
+        self.steps_chosen += 1
         return lengths
 
     def verifying(self, rows: list[int], drafted: dict[int, int], tokens: int) -> None:
@@ -120,22 +126,33 @@ class DraftLengths:
 
     def _predicted(self, tokens: float, width: int) -> float:
         """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row."""
-        v0, v1 = self.verify.coefficients()
+        v0, v1 = self._verify_line()
         return self.overhead + v0 + v1 * tokens + self.draft_seconds / self.draft_tokens * width
+
+    def _verify_line(self) -> tuple[float, float]:
+        """(v0, v1) of ``V(n) = v0 + v1 n``, the slope capped at the mean seconds per token of the
+        measured tokens: a forward over more tokens never costs more per token than over fewer
+        (a mis-measured slope, e.g. from a first call at a new shape, is kept within that)."""
+        v0, v1 = self.verify.coefficients()
+        mean_x = self.verify.x / self.verify.w
+        cap = (v0 + v1 * mean_x) / mean_x
+        return (v0 + (v1 - cap) * mean_x, cap) if v1 > cap else (v0, v1)
 
     def _best(self, rows: list[int]) -> list[int]:
         K, b = self.K, len(rows)
+        run = [1.0]  # P(drafts 2 .. j accepted | draft 1 accepted), j = 1 .. K
+        for j in range(2, K + 1):
+            run.append(run[-1] * (self.passed[j] + 1) / (self.reached[j] + 2))
         gains, shares = [], []  # G_b(k) for k = 0 .. K, and f_b
         for r in rows:
-            a = (self.accepted[r] + 1) / (self.accepted[r] + self.rejected[r] + 2)
+            a = (self.first_accepted[r] + 1) / (self.first_drafts[r] + 2)
             f = (self.got[r] + 1) / (self.asked[r] + 1)
-            gain, term = [0.0], 1.0
-            for _ in range(K):
-                term *= a
-                gain.append(gain[-1] + f * term)
+            gain = [0.0]
+            for j in range(1, K + 1):
+                gain.append(gain[-1] + f * a * run[j - 1])
             gains.append(gain)
             shares.append(f)
-        v1 = self.verify.coefficients()[1]
+        v1 = self._verify_line()[1]
         rate, best = b / self._predicted(b, 0), [0] * b  # plain decoding
         for _ in range(3):
             # For each cap w, every row's best length k <= w at this rate (ties: the shorter).
@@ -165,22 +182,27 @@ class DraftLengths:
         and had accepted; the target forward and sampling (``verify_s`` seconds over
         ``verify_tokens`` tokens), the next proposal (``draft_s`` seconds for ``draft_tokens``
         per row, 0 if none was made) and the whole step from one transfer to the next."""
-        for sums in (self.accepted, self.rejected, self.asked, self.got):
+        for sums in (self.first_drafts, self.first_accepted, self.asked, self.got, self.reached, self.passed):
             sums[:] = [DECAY * x for x in sums]
         for r, k, p, m in zip(rows, asked, proposed, accepted, strict=True):
             self.asked[r] += k
             self.got[r] += p
-            self.accepted[r] += m
-            self.rejected[r] += m < p
+            self.first_drafts[r] += p > 0
+            self.first_accepted[r] += m > 0
+            for j in range(2, min(p, m + 1) + 1):  # drafts 2 .. p whose predecessor was accepted
+                self.reached[j] += 1
+                self.passed[j] += m >= j
+        # A step that took far longer than its prediction was preempted or met a new shape, and
+        # the first verification pays one-time costs (allocations, kernel choices): they do not
+        # tell the costs of the next steps. (The proposal measured with the first is the second.)
         self.steps_seen += 1
-        # The first step pays one-time costs (allocations, kernel choices), and a step that took
-        # far longer than its prediction was preempted or met a new shape: neither tells the
-        # costs of the next steps.
-        if self.steps_seen == 1 or (self._ready() and step_s > 3 * self._predicted(verify_tokens, draft_tokens)):
+        if self._ready() and step_s > 3 * self._predicted(verify_tokens, draft_tokens):
             return
-        self.verify.add(verify_tokens, verify_s)
         if draft_tokens:
             self.draft_seconds = COST_DECAY * self.draft_seconds + draft_s
             self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
+        if self.steps_seen == 1:
+            return
+        self.verify.add(verify_tokens, verify_s)
         rest = max(0.0, step_s - verify_s - draft_s)
         self.overhead = rest if self.overhead is None else COST_DECAY * self.overhead + (1 - COST_DECAY) * rest
