@@ -78,6 +78,10 @@ class DraftLengths:
         self.first_drafts, self.first_accepted = [0.0] * batch_size, [0.0] * batch_size
         self.asked, self.got = [0.0] * batch_size, [0.0] * batch_size
         self.reached, self.passed = [0.0] * (max_tokens + 1), [0.0] * (max_tokens + 1)
+        # Forgotten sums of the drafts accepted and of what the estimates above forecast for
+        # them: their ratio corrects the forecasts (priors and lagging estimates run optimistic).
+        self.realized = self.forecast = 0.0
+        self.forecasts: dict[int, list[float]] = {}  # per row: forecast accepted drafts for k = 0 .. K
         self.counts = [[0] * (max_tokens + 1) for _ in range(batch_size)]
         self.verify = _DecayedLine()  # seconds of target forward + sampling vs tokens verified
         self.draft_seconds = self.draft_tokens = 0.0  # forgotten sums: D(w) = d w
@@ -95,6 +99,8 @@ class DraftLengths:
             lengths = [1 if self.steps_chosen < 2 else 0] * len(rows)
         else:
             lengths = self._best(rows)
+        if not (self.adaptive and self._ready()):
+            self.forecasts = {}
         lengths = [max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
                    for row, k in zip(rows, lengths, strict=True)]
         for row, k in zip(rows, lengths, strict=True):
@@ -105,7 +111,8 @@ class DraftLengths:
 
     def verifying(self, rows: list[int], drafted: dict[int, int], tokens: int) -> None:
         """The loop verifies ``drafted[row]`` drafts of each of ``rows`` (``tokens`` in all)."""
-        self.verified = ([(row, self.chosen[row], drafted[row]) for row in rows], tokens)
+        self.verified = ([(row, self.chosen[row], drafted[row], self.forecasts[row][self.chosen[row]]
+                           if row in self.forecasts else None) for row in rows], tokens)
 
     def observe(self, accepted: dict[int, int], verify_s: float, draft_s: float) -> None:
         """At the loop's transfer: the drafts each verified row had ``accepted``, the seconds of
@@ -116,9 +123,9 @@ class DraftLengths:
             return
         (verified, tokens), width = self.verified, max(self.chosen.values(), default=0)
         self.verified = None
-        self._measured([r for r, _, _ in verified], [k for _, k, _ in verified], [p for _, _, p in verified],
-                       [accepted[r] for r, _, _ in verified], tokens, verify_s, width,
-                       draft_s if width else 0.0, step_s)
+        rows, asked, got, forecast = (list(column) for column in zip(*verified, strict=True))
+        self._measured(rows, asked, got, [accepted[r] for r in rows], tokens, verify_s, width,
+                       draft_s if width else 0.0, step_s, forecast)
 
     def _ready(self) -> bool:
         """Whether every cost has been measured."""
@@ -143,14 +150,17 @@ class DraftLengths:
         run = [1.0]  # P(drafts 2 .. j accepted | draft 1 accepted), j = 1 .. K
         for j in range(2, K + 1):
             run.append(run[-1] * (self.passed[j] + 1) / (self.reached[j] + 2))
-        gains, shares = [], []  # G_b(k) for k = 0 .. K, and f_b
+        gains, shares = [], []  # G_b(k) for k = 0 .. K (corrected by the realized share), and f_b
+        self.forecasts = {}
+        calibration = (self.realized + 2) / (self.forecast + 2)
         for r in rows:
             a = (self.first_accepted[r] + 1) / (self.first_drafts[r] + 2)
             f = (self.got[r] + 1) / (self.asked[r] + 1)
             gain = [0.0]
             for j in range(1, K + 1):
                 gain.append(gain[-1] + f * a * run[j - 1])
-            gains.append(gain)
+            self.forecasts[r] = gain
+            gains.append([calibration * g for g in gain])
             shares.append(f)
         v1 = self._verify_line()[1]
         rate, best = b / self._predicted(b, 0), [0] * b  # plain decoding
@@ -177,13 +187,19 @@ class DraftLengths:
         return best
 
     def _measured(self, rows: list[int], asked: list[int], proposed: list[int], accepted: list[int],
-                  verify_tokens: int, verify_s: float, draft_tokens: int, draft_s: float, step_s: float) -> None:
+                  verify_tokens: int, verify_s: float, draft_tokens: int, draft_s: float, step_s: float,
+                  forecast: list[float | None] | None = None) -> None:
         """One step's measurements: for each of the batch's ``rows`` the drafts it asked for, got
         and had accepted; the target forward and sampling (``verify_s`` seconds over
         ``verify_tokens`` tokens), the next proposal (``draft_s`` seconds for ``draft_tokens``
         per row, 0 if none was made) and the whole step from one transfer to the next."""
         for sums in (self.first_drafts, self.first_accepted, self.asked, self.got, self.reached, self.passed):
             sums[:] = [DECAY * x for x in sums]
+        self.realized, self.forecast = DECAY * self.realized, DECAY * self.forecast
+        for expected, m in zip(forecast or [], accepted, strict=False):
+            if expected is not None:
+                self.forecast += expected
+                self.realized += m
         for r, k, p, m in zip(rows, asked, proposed, accepted, strict=True):
             self.asked[r] += k
             self.got[r] += p

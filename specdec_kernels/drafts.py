@@ -131,7 +131,9 @@ class ModelDraft:
         self.committed = q_seqlens.clone()
         self.longest = P  # host bound on every row's committed count (no sync to tighten it)
         self.unread = 0  # host bound on committed tokens not in the cache
-        _last_logits(self.model, input_ids, self.cache, q_seqlens, max_seqlen=P)
+        # The prompt's token count, read on the host once before decoding starts, lets the model
+        # skip the padding of ragged prompts.
+        _last_logits(self.model, input_ids, self.cache, q_seqlens, int(q_seqlens.sum()), max_seqlen=P)
 
     def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
         start = self.cache.lengths
