@@ -35,10 +35,11 @@ COST_DECAY = 0.8  # times, per step: a few steps' average, soon rid of a slow st
 
 class _DecayedLine:
     """Least-squares line ``y = intercept + slope x`` over exponentially forgotten samples; the
-    slope is 0 until the samples' x differ, and never negative (time cannot fall with work)."""
+    slope is never negative (time cannot fall with work)."""
 
     def __init__(self) -> None:
         self.w = self.x = self.xx = self.y = self.xy = 0.0
+        self.slope: float | None = None
 
     def add(self, x: float, y: float) -> None:
         d = COST_DECAY
@@ -49,11 +50,18 @@ class _DecayedLine:
     def seen(self) -> bool:
         return self.w > 0
 
-    def coefficients(self) -> tuple[float, float]:
+    def spread(self) -> bool:
+        """Whether the samples' x differ (a slope can be fitted)."""
+        return self.xx - self.x ** 2 / self.w > 1e-9 * self.w
+
+    def coefficients(self) -> tuple[float, float | None]:
+        """(intercept, slope); while the samples' x do not differ, the slope last fitted (None
+        before any), the line through their mean."""
         mean_x, mean_y = self.x / self.w, self.y / self.w
-        spread = self.xx - self.w * mean_x ** 2
-        slope = max(0.0, (self.xy - self.w * mean_x * mean_y) / spread) if spread > 1e-9 * self.w else 0.0
-        return mean_y - slope * mean_x, slope
+        if self.spread():
+            self.slope = max(0.0, (self.xy - self.w * mean_x * mean_y) / (self.xx - self.w * mean_x ** 2))
+        slope = self.slope
+        return mean_y - (slope or 0.0) * mean_x, slope
 
 
 class DraftLengths:
@@ -64,7 +72,7 @@ class DraftLengths:
     step the loop calls `choose` (the next proposal's lengths), then, at its transfer, `observe`
     (the last verification's outcome and the phase times) and `verifying` (what it verifies
     next). The arithmetic is plain Python on a few numbers per row: host work, no tensor to
-    synchronize. ``counts[row][k]`` counts the steps the row was given length k.
+    synchronize. ``counts[row][k]`` counts the verified steps the row was given length k.
     """
 
     def __init__(self, max_tokens: int, max_new_tokens: int, batch_size: int, adaptive: bool) -> None:
@@ -103,8 +111,6 @@ class DraftLengths:
             self.forecasts = {}
         lengths = [max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
                    for row, k in zip(rows, lengths, strict=True)]
-        for row, k in zip(rows, lengths, strict=True):
-            self.counts[row][k] += 1
         self.chosen = dict(zip(rows, lengths, strict=True))
         self.steps_chosen += 1
         return lengths
@@ -113,6 +119,8 @@ class DraftLengths:
         """The loop verifies ``drafted[row]`` drafts of each of ``rows`` (``tokens`` in all)."""
         self.verified = ([(row, self.chosen[row], drafted[row], self.forecasts[row][self.chosen[row]]
                            if row in self.forecasts else None) for row in rows], tokens)
+        for row in rows:
+            self.counts[row][self.chosen[row]] += 1
 
     def observe(self, accepted: dict[int, int], verify_s: float, draft_s: float) -> None:
         """At the loop's transfer: the drafts each verified row had ``accepted``, the seconds of
@@ -139,11 +147,15 @@ class DraftLengths:
     def _verify_line(self) -> tuple[float, float]:
         """(v0, v1) of ``V(n) = v0 + v1 n``, the slope capped at the mean seconds per token of the
         measured tokens: a forward over more tokens never costs more per token than over fewer
-        (a mis-measured slope, e.g. from a first call at a new shape, is kept within that)."""
+        (a mis-measured slope, e.g. from a first call at a new shape, is kept within that). Until
+        two token counts are measured the slope is that cap: drafting is not assumed cheap;
+        while recent samples share one count, the slope last fitted stands."""
         v0, v1 = self.verify.coefficients()
         mean_x = self.verify.x / self.verify.w
-        cap = (v0 + v1 * mean_x) / mean_x
-        return (v0 + (v1 - cap) * mean_x, cap) if v1 > cap else (v0, v1)
+        cap = (v0 + (v1 or 0.0) * mean_x) / mean_x
+        if v1 is None or v1 > cap:
+            return v0 + ((v1 or 0.0) - cap) * mean_x, cap
+        return v0, v1
 
     def _best(self, rows: list[int]) -> list[int]:
         K, b = self.K, len(rows)

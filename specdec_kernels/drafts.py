@@ -130,7 +130,7 @@ class ModelDraft:
         self.tokens[:, :P] = input_ids
         self.committed = q_seqlens.clone()
         self.longest = P  # host bound on every row's committed count (no sync to tighten it)
-        self.unread = 0  # host bound on committed tokens not in the cache
+        self.unread, self.proposed = 0, False  # host bound on committed tokens not in the cache
         # The prompt's token count, read on the host once before decoding starts, lets the model
         # skip the padding of ragged prompts.
         _last_logits(self.model, input_ids, self.cache, q_seqlens, int(q_seqlens.sum()), max_seqlen=P)
@@ -148,7 +148,7 @@ class ModelDraft:
             ids[:, i] = sample(logits)
             if i + 1 < num_tokens:
                 logits = self._step(ids[:, i: i + 1], self.cache, max_seqlen=self.longest + i + 1, min_seqlen=None)
-        self.unread = 0
+        self.unread, self.proposed = 0, True
         return DraftProposal(ids, None, draft_logits)
 
     def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
@@ -162,7 +162,10 @@ class ModelDraft:
         self.cache.crop(torch.minimum(self.cache.lengths, self.committed + num_tokens - 1))
         self.committed = self.committed + num_tokens
         self.longest += N
-        self.unread += N
+        # After a proposal at most two committed tokens are unread (the last draft, if all were
+        # accepted, and the target's token); after a step without one, all N may be.
+        self.unread = min(N, 2) if self.proposed else self.unread + N
+        self.proposed = False
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache = self.cache.select(rows)

@@ -341,7 +341,10 @@ class _Stream:
         else:
             self.streamer.put([torch.tensor(new.get(row, []), dtype=torch.int64) for row in range(self.batch_size)])
 
-    def end(self) -> None:
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
         if self.streamer is not None:
             self.streamer.end()
 
@@ -444,25 +447,25 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                               max_seqlen=request.prompt.shape[1])
         logits = check("model", model.vocab_size, logits)
     stats.target_forwards += 1
-    while True:
-        with timer("sampler"):
-            token = request.sample(logits)
-        kept, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
-        stream.add(host_rows, kept, token[:, None])
-        running, (longest, shortest, *streamed) = _rows_still_running(
-            done, check, *_running_range(cache.lengths, done), *stream.values())
-        stream.put(*streamed)
-        if not running:
-            break
-        if len(running) < len(rows):
-            keep = torch.tensor(running, device=device)
-            rows, token, cache = rows[keep], token[keep], cache.select(keep)
-            host_rows = [host_rows[i] for i in running]
-        stats.num_steps[rows] += 1
-        with timer("target"):
-            logits = step(token[:, None], cache, max_seqlen=longest + 1, min_seqlen=shortest + 1)
-        stats.target_forwards += 1
-    stream.end()
+    with stream:  # ends the streamer however the loop ends
+        while True:
+            with timer("sampler"):
+                token = request.sample(logits)
+            kept, done = outputs.write(rows, token[:, None], torch.ones_like(token), request.eos)
+            stream.add(host_rows, kept, token[:, None])
+            running, (longest, shortest, *streamed) = _rows_still_running(
+                done, check, *_running_range(cache.lengths, done), *stream.values())
+            stream.put(*streamed)
+            if not running:
+                break
+            if len(running) < len(rows):
+                keep = torch.tensor(running, device=device)
+                rows, token, cache = rows[keep], token[keep], cache.select(keep)
+                host_rows = [host_rows[i] for i in running]
+            stats.num_steps[rows] += 1
+            with timer("target"):
+                logits = step(token[:, None], cache, max_seqlen=longest + 1, min_seqlen=shortest + 1)
+            stats.target_forwards += 1
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
 
@@ -554,63 +557,63 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     with timer("sampler"):
         token = request.sample(logits)
     new, accepted, asked = token[:, None], torch.zeros_like(rows), lengths.choose(host_rows, {})
-    while True:
-        kept, done = outputs.write(rows, new, accepted + 1, request.eos)
-        stream.add(host_rows, kept, new)
-        if hidden:
-            drafter.commit(new, accepted + 1, hidden_states=states)
-        else:
-            drafter.commit(new, accepted + 1)
-        draft_ids, num_drafts, draft_logits = propose(asked, logits)
-        # The one transfer: finished rows, bounds for the verify forward, this step's drafts and
-        # the last step's acceptance (for the draft lengths), the streamer's tokens.
-        running, (longest, shortest, widest, fewest, total, drafted, accepted_list, generated,
-                  *streamed) = _rows_still_running(
-            done, check, *_running_range(cache.lengths, done), *_running_range(num_drafts, done),
-            num_drafts.masked_fill(done, 0).sum(), num_drafts, accepted, outputs.counts[rows], *stream.values())
-        stream.put(*streamed)
-        lengths.observe(dict(zip(host_rows, accepted_list, strict=True)), timer.last("verify"), timer.last("draft"))
-        if not running:
-            break
-        drafted, generated = (dict(zip(host_rows, values, strict=True)) for values in (drafted, generated))
-        if len(running) < len(rows):
-            keep = torch.tensor(running, device=device)
-            rows, token, cache = rows[keep], token[keep], cache.select(keep)
-            draft_ids, num_drafts = draft_ids[keep], num_drafts[keep]
-            draft_logits = None if draft_logits is None else draft_logits[keep]
-            drafter.select(keep)
-            host_rows = [host_rows[i] for i in running]
-        b = len(rows)
-        lengths.verifying(host_rows, drafted, b + total)
+    with stream:  # ends the streamer however the loop ends
+        while True:
+            kept, done = outputs.write(rows, new, accepted + 1, request.eos)
+            stream.add(host_rows, kept, new)
+            if hidden:
+                drafter.commit(new, accepted + 1, hidden_states=states)
+            else:
+                drafter.commit(new, accepted + 1)
+            draft_ids, num_drafts, draft_logits = propose(asked, logits)
+            # The one transfer: finished rows, bounds for the verify forward, this step's drafts and
+            # the last step's acceptance (for the draft lengths), the streamer's tokens.
+            running, (longest, shortest, widest, fewest, total, drafted, accepted_list, generated,
+                      *streamed) = _rows_still_running(
+                done, check, *_running_range(cache.lengths, done), *_running_range(num_drafts, done),
+                num_drafts.masked_fill(done, 0).sum(), num_drafts, accepted, outputs.counts[rows], *stream.values())
+            stream.put(*streamed)
+            lengths.observe(dict(zip(host_rows, accepted_list, strict=True)), timer.last("verify"), timer.last("draft"))
+            if not running:
+                break
+            drafted, generated = (dict(zip(host_rows, values, strict=True)) for values in (drafted, generated))
+            if len(running) < len(rows):
+                keep = torch.tensor(running, device=device)
+                rows, token, cache = rows[keep], token[keep], cache.select(keep)
+                draft_ids, num_drafts = draft_ids[keep], num_drafts[keep]
+                draft_logits = None if draft_logits is None else draft_logits[keep]
+                drafter.select(keep)
+                host_rows = [host_rows[i] for i in running]
+            b = len(rows)
+            lengths.verifying(host_rows, drafted, b + total)
 
-        # Verify: the target scores the last token and the drafts in one forward, and the sampler
-        # keeps the longest prefix the target agrees with, plus one token of its own.
-        with timer("verify"):
-            with timer("target"):
-                start = cache.lengths.clone()
-                verify_ids = torch.cat([token[:, None], draft_ids[:, :widest]], 1)
-                ragged = fewest < widest  # rows with fewer drafts: the model may skip their padding
-                out = verify(verify_ids, cache, num_drafts + 1 if ragged else None, b + total if ragged else None,
-                             max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
-                target_logits, states = out if hidden else (out, None)
-            stats.target_forwards += 1
-            with timer("sampler"):
-                if widest == 0:
-                    token = request.sample(target_logits[:, 0])
-                    new, accepted = token[:, None], torch.zeros_like(token)
-                else:
-                    result = rejection_sample_logits(
-                        target_logits, None if draft_logits is None else draft_logits[:, :widest],
-                        draft_ids[:, :widest], num_drafts, **request.sampling, generator=request.generator,
-                        validate=False)
-                    new, accepted = result.token_ids.clamp(min=0), result.num_accepted
-                    token = new.gather(1, accepted[:, None])[:, 0]
-        cache.crop(start + accepted + 1)
-        stats.num_steps[rows] += 1
-        stats.num_proposed[rows] += num_drafts
-        stats.num_accepted[rows] += accepted
-        asked = lengths.choose(host_rows, generated)
-    stream.end()
+            # Verify: the target scores the last token and the drafts in one forward, and the sampler
+            # keeps the longest prefix the target agrees with, plus one token of its own.
+            with timer("verify"):
+                with timer("target"):
+                    start = cache.lengths.clone()
+                    verify_ids = torch.cat([token[:, None], draft_ids[:, :widest]], 1)
+                    ragged = fewest < widest  # rows with fewer drafts: the model may skip their padding
+                    out = verify(verify_ids, cache, num_drafts + 1 if ragged else None, b + total if ragged else None,
+                                 max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
+                    target_logits, states = out if hidden else (out, None)
+                stats.target_forwards += 1
+                with timer("sampler"):
+                    if widest == 0:
+                        token = request.sample(target_logits[:, 0])
+                        new, accepted = token[:, None], torch.zeros_like(token)
+                    else:
+                        result = rejection_sample_logits(
+                            target_logits, None if draft_logits is None else draft_logits[:, :widest],
+                            draft_ids[:, :widest], num_drafts, **request.sampling, generator=request.generator,
+                            validate=False)
+                        new, accepted = result.token_ids.clamp(min=0), result.num_accepted
+                        token = new.gather(1, accepted[:, None])[:, 0]
+            cache.crop(start + accepted + 1)
+            stats.num_steps[rows] += 1
+            stats.num_proposed[rows] += num_drafts
+            stats.num_accepted[rows] += accepted
+            asked = lengths.choose(host_rows, generated)
     stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
@@ -624,6 +627,10 @@ def _as_drafter(draft, target, cuda_graphs: bool | None) -> Drafter:
         return PromptLookupDraft()
     if isinstance(draft, Drafter):
         return draft
+    if hasattr(draft, "propose") and not hasattr(draft, "vocab_size"):
+        missing = [m for m in ("prefill", "propose", "commit", "select") if not callable(getattr(draft, m, None))]
+        raise TypeError(f"draft {type(draft).__name__} looks like a Drafter but has no {', '.join(missing)} "
+                        "method(s): a Drafter has prefill, propose, commit and select")
     _check_model(draft, "draft")
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft.vocab_size}, "

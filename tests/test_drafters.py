@@ -168,7 +168,8 @@ def test_the_policy_cuts_each_row_to_its_own_length():
                          draft_tokens=1, draft_s=0.0003, step_s=0.011)
     lengths = policy.choose([0, 1, 2], {2: 16})
     assert lengths[0] == 4 and lengths[1] == 0 and lengths[2] == 2  # row 2: only 2 fit its budget
-    assert policy.counts[1][0] == 1
+    policy.verifying([0, 1, 2], {0: 4, 1: 0, 2: 2}, 9)
+    assert policy.counts[0][4] == policy.counts[1][0] == policy.counts[2][2] == 1
 
 
 def test_the_policy_decodes_plainly_when_drafting_cannot_pay():
@@ -223,18 +224,22 @@ def test_a_good_draft_is_used_at_full_length():
 
 
 def test_sampling_with_adaptive_lengths_keeps_the_target_distribution(target):
-    """Chi-square of the second generated token over many seeds: adaptive speculation with a
-    model draft samples what plain generation samples."""
+    """Chi-square of the second and third generated tokens over many seeds: adaptive speculation
+    with a model draft (its first two steps draft) samples what plain generation samples."""
     from scipy.stats import chi2_contingency
 
     ids = torch.tensor([[5, 17, 33]])
     n = 400
     draft = tiny_llama(seed=7, scale=3.0, layers=1)
     counts_plain, counts_spec = torch.zeros(V), torch.zeros(V)
+    proposed = 0
     for seed in range(n):
-        counts_plain[generate(target, ids, max_new_tokens=2, seed=seed).tokens[0, 1]] += 1
-        counts_spec[speculative_generate(target, draft, ids, max_new_tokens=2, seed=10_000 + seed,
-                                         num_draft_tokens=1).tokens[0, 1]] += 1
+        counts_plain.index_put_((generate(target, ids, max_new_tokens=4, seed=seed).tokens[0, 1:3],),
+                                torch.ones(2), accumulate=True)
+        spec = speculative_generate(target, draft, ids, max_new_tokens=4, seed=10_000 + seed, num_draft_tokens=2)
+        counts_spec.index_put_((spec.tokens[0, 1:3],), torch.ones(2), accumulate=True)
+        proposed += int(spec.stats.num_proposed.sum())
+    assert proposed >= n
     keep = (counts_plain + counts_spec) >= 10  # the chi-square approximation needs counts
     assert int(keep.sum()) >= 5
     assert chi2_contingency(torch.stack([counts_plain[keep], counts_spec[keep]]).numpy()).pvalue > 1e-3
