@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 
 DECAY = 0.98  # acceptance, per step: what was seen ~35 steps ago weighs half
-COST_DECAY = 0.8  # times, per step: a few steps' average, soon rid of a slow start
+COST_DECAY = 0.95  # times, per step: ~20 steps averaged (the first step and outliers are dropped)
 
 
 class _DecayedLine:
@@ -92,6 +92,9 @@ class DraftLengths:
         self.forecasts: dict[int, list[float]] = {}  # per row: forecast accepted drafts for k = 0 .. K
         self.counts = [[0] * (max_tokens + 1) for _ in range(batch_size)]
         self.verify = _DecayedLine()  # seconds of target forward + sampling vs tokens verified
+        # The same per token count: forward times are not linear in the tokens (matmul forms
+        # change with the row count), so counts seen are predicted from their own times.
+        self.verify_at: dict[int, tuple[float, float]] = {}  # forgotten sums: seconds, samples
         self.draft_seconds = self.draft_tokens = 0.0  # forgotten sums: D(w) = d w
         self.overhead = None  # seconds per step outside verification and drafting
         self.steps_chosen = self.steps_seen = 0
@@ -141,8 +144,26 @@ class DraftLengths:
 
     def _predicted(self, tokens: float, width: int) -> float:
         """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row."""
-        v0, v1 = self._verify_line()
-        return self.overhead + v0 + v1 * tokens + self.draft_seconds / self.draft_tokens * width
+        return self.overhead + self._verify_seconds(tokens) + self.draft_seconds / self.draft_tokens * width
+
+    def _verify_seconds(self, tokens: float) -> float:
+        """Seconds to verify ``tokens`` (a fractional count: the expected one): interpolated
+        between the nearest token counts measured, extrapolated past them along the two nearest
+        (the slope within 0 and the line's cap); the line while one count is measured."""
+        counts = sorted(self.verify_at)
+        if len(counts) < 2:
+            v0, v1 = self._verify_line()
+            return v0 + v1 * tokens
+        mean = {n: seconds / weight for n, (seconds, weight) in self.verify_at.items()}
+        if tokens <= counts[0] or tokens >= counts[-1]:
+            n0, n1 = counts[:2] if tokens <= counts[0] else counts[-2:]
+            slope = min(max((mean[n1] - mean[n0]) / (n1 - n0), 0.0), self._verify_line()[1])
+            base = n0 if tokens <= counts[0] else n1
+            return mean[base] + slope * (tokens - base)
+        n1 = next(n for n in counts if n >= tokens)
+        n0 = max(n for n in counts if n < tokens)
+        share = (tokens - n0) / (n1 - n0)
+        return (1 - share) * mean[n0] + share * mean[n1]
 
     def _verify_line(self) -> tuple[float, float]:
         """(v0, v1) of ``V(n) = v0 + v1 n``, the slope capped at the mean seconds per token of the
@@ -232,5 +253,7 @@ class DraftLengths:
         if self.steps_seen == 1:
             return
         self.verify.add(verify_tokens, verify_s)
+        seconds, weight = self.verify_at.get(verify_tokens, (0.0, 0.0))
+        self.verify_at[verify_tokens] = (COST_DECAY * seconds + verify_s, COST_DECAY * weight + 1)
         rest = max(0.0, step_s - verify_s - draft_s)
         self.overhead = rest if self.overhead is None else COST_DECAY * self.overhead + (1 - COST_DECAY) * rest
