@@ -461,10 +461,11 @@ def test_graph_replay_path_gives_the_eager_tokens(target, draft_kind, monkeypatc
     monkeypatch.setattr(generation, "_use_cuda_graphs", lambda *args: True)
     monkeypatch.setattr(drafts_module, "_use_cuda_graphs", lambda *args: True)
     monkeypatch.setattr(cuda_graphs.GraphedForward, "_capture",
-                        lambda self, ids, q: captures.append(tuple(ids.shape)) or fake_capture(self, ids, q))
+                        lambda self, ids, q: captures.append((id(self), *ids.shape)) or fake_capture(self, ids, q))
     graphed = run(eos_token_id=eos)
-    assert len(set(captures)) > 1 and len(captures) == len(set(captures)), captures  # new batch sizes only
-    assert {T for _, T in captures} <= {1, 2, 3, 4}, captures  # one graph per batch size and verify width
+    # One recording per forward (target, draft), batch size and verify width.
+    assert len(set(captures)) > 1 and len(captures) == len(set(captures)), captures
+    assert {T for _, _, T in captures} <= {1, 2, 3, 4}, captures
     assert eager.stats.num_generated.min() < 20  # rows were dropped
     for row in range(input_ids.shape[0]):
         differ = (eager.tokens[row] != graphed.tokens[row]).nonzero()
