@@ -12,7 +12,9 @@ known to the loops without an extra sync, so the model can skip padding position
 prefill, then read in the loop's one transfer per step; attention can then read that many
 positions instead of the cache's capacity) and ``min_seqlen=`` (a host int <= every row's cache
 length after a decoding call, read in the same transfer; with one row it equals ``max_seqlen``:
-see `RaggedAttentionPlan`).
+see `RaggedAttentionPlan`). A fifth, ``return_hidden=True`` (return ``(logits, hidden states
+[B, T, H])``, the last layer's before the final norm), is needed only for a drafter that reads
+the target's features (`Drafter`, ``needs_target_hidden``).
 
 Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
 reads a device value on the host except the one "which rows are done?" check, which
