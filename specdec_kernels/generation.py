@@ -545,7 +545,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             ids, num, logits = _checked_proposal(drafter, drafter.propose(max(asked), sample_draft), len(asked),
                                                  max(asked), logits_like, check)
             if min(asked) < max(asked):
-                num = torch.minimum(num, torch.tensor(asked, device=device))
+                num = torch.minimum(num, _host_list_to(asked, device))
         return ids, num, logits
 
     with timer("prefill"):
@@ -618,6 +618,13 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             asked = lengths.choose(host_rows, generated)
     stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
+
+
+def _host_list_to(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device`` without waiting for the device: on CUDA copied
+    asynchronously from pinned memory (the driver may synchronize a copy from pageable memory)."""
+    values = torch.tensor(values, dtype=torch.int64)
+    return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values.to(device)
 
 
 def _as_drafter(draft, target, cuda_graphs: bool | None) -> Drafter:
