@@ -200,7 +200,7 @@ class _LogitsCheck:
         bad = ~torch.isfinite(logits.amax(-1))
         if q_seqlens is not None and logits.dim() == 3:
             bad &= torch.arange(logits.shape[1], device=logits.device) < q_seqlens[:, None]
-        self.flag(name, bad.any(), self.logits_message(name))
+        self.flag(name, bad.any())  # (the logits message, set at construction)
         if self.deferred:
             # The samplers would assert on such rows on the device; zeros keep them quiet until
             # the step's transfer raises, and what they sample is never returned.

@@ -93,6 +93,14 @@ class Drafter(Protocol):
         """Keep only the batch positions ``rows`` ([b] int64), in this order."""
 
 
+def _append(buffer: torch.Tensor, lengths: torch.Tensor, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    """Write row b's first ``num_tokens[b]`` of ``token_ids`` [B, N] into ``buffer`` [B, L] from
+    column ``lengths[b]`` on; the rest goes to the spare last column, never read."""
+    offsets = torch.arange(token_ids.shape[1], device=token_ids.device)
+    columns = torch.where(offsets < num_tokens[:, None], lengths[:, None] + offsets, buffer.shape[1] - 1)
+    buffer.scatter_(1, columns, token_ids)
+
+
 class ModelDraft:
     """A `Drafter` from a model that follows the model protocol (see `specdec_kernels.generation`)
     and shares the target's vocabulary: it samples its proposals one forward per token, in a KV
@@ -153,10 +161,7 @@ class ModelDraft:
 
     def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
         N = token_ids.shape[1]
-        columns = torch.where(torch.arange(N, device=token_ids.device) < num_tokens[:, None],
-                              self.committed[:, None] + torch.arange(N, device=token_ids.device),
-                              self.tokens.shape[1] - 1)
-        self.tokens.scatter_(1, columns, token_ids)
+        _append(self.tokens, self.committed, token_ids, num_tokens)
         # The cache holds the committed tokens it read, then the drafts it proposed; the accepted
         # drafts (num_tokens - 1 of this step's tokens) stay, the rest is cropped.
         self.cache.crop(torch.minimum(self.cache.lengths, self.committed + num_tokens - 1))
@@ -204,9 +209,7 @@ class PromptLookupDraft:
         return DraftProposal(ids, num, None)
 
     def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        steps = torch.arange(token_ids.shape[1], device=token_ids.device)
-        columns = torch.where(steps < num_tokens[:, None], self.lengths[:, None] + steps, self.context.shape[1] - 1)
-        self.context.scatter_(1, columns, token_ids)
+        _append(self.context, self.lengths, token_ids, num_tokens)
         self.lengths = self.lengths + num_tokens
 
     def select(self, rows: torch.Tensor) -> None:
