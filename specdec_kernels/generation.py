@@ -461,7 +461,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             if not running:
                 break
             if len(running) < len(rows):
-                keep = torch.tensor(running, device=device)
+                keep = _host_list_to(running, device)
                 rows, token, cache = rows[keep], token[keep], cache.select(keep)
                 host_rows = [host_rows[i] for i in running]
             stats.num_steps[rows] += 1
@@ -580,7 +580,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 break
             drafted, generated = (dict(zip(host_rows, values, strict=True)) for values in (drafted, generated))
             if len(running) < len(rows):
-                keep = torch.tensor(running, device=device)
+                keep = _host_list_to(running, device)
                 rows, token, cache = rows[keep], token[keep], cache.select(keep)
                 draft_ids, num_drafts = draft_ids[keep], num_drafts[keep]
                 draft_logits = None if draft_logits is None else draft_logits[keep]

@@ -12,7 +12,7 @@ import torch
 from test_attention import CASES as ATTENTION_CASES
 from test_attention import make_inputs, reference_fp32
 from test_sampling import CASES as SAMPLER_CASES
-from test_sampling import make_case, noise_for
+from test_sampling import NO_TOKEN_OPS, _bad_row_inputs, _no_token_cases, make_case, noise_for
 
 from specdec_kernels import (
     KVCache,
@@ -25,6 +25,7 @@ from specdec_kernels import (
     rejection_sample_logits,
     speculative_generate,
 )
+from specdec_kernels._checks import DeviceCheckError
 from specdec_kernels.sampling import make_rejection_noise
 from specdec_kernels.testing import SyncCounter, assert_close
 
@@ -142,6 +143,27 @@ def test_rejection_sample_logits_matches_reference(dtype, filters):
     assert torch.equal(actual.token_ids.cpu(), expected.token_ids)
 
 
+@pytest.mark.parametrize("kind,fault,which,setting,validate", _no_token_cases())
+def test_values_without_a_token_raise_on_cuda(kind, fault, which, setting, validate, monkeypatch):
+    """The compiled samplers' row flags (NaN, +inf, rows of only -inf) on CUDA flag the rows the
+    interpreter does (`test_sampling.py`): a ValueError with validation, a DeviceCheckError without.
+    On CUDA that check is a device-side assert, which would end the process's CUDA context, so here
+    the flags are read on the host and checked as on the CPU."""
+    import specdec_kernels.kernels.sampling as kernels
+
+    refuse = kernels.refuse_rows_without_token
+    monkeypatch.setattr(kernels, "refuse_rows_without_token", lambda bad, names: refuse(bad.cpu(), names))
+    op, settings, validated, refused = NO_TOKEN_OPS[kind]
+    target, draft, ids = cuda(*_bad_row_inputs(fault, which, kind))
+    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in settings[setting].items()}
+    counts = kwargs.pop("counts", None)
+    name = f"{which}_{kind}"
+    error, match = (ValueError, f"{name} {validated}") if validate else (
+        DeviceCheckError, rf"{name}: batch row\(s\) \[1\] {refused}")
+    with pytest.raises(error, match=match):
+        op(target, draft, ids, counts, seed=0, validate=validate, backend="triton", **kwargs)
+
+
 def test_first_rejection_index_matches_reference():
     gen = torch.Generator().manual_seed(5)
     accepted = torch.rand(7, 16, generator=gen) < 0.8
@@ -189,7 +211,9 @@ def test_greedy_speculative_equals_greedy_generate_on_cuda(draft_kind):
     plain_cpu = generate(cpu_model, input_ids, mask, max_new_tokens=24, temperature=0)
     ids, m = input_ids.cuda(), mask.cuda()
     plain = generate(model, ids, m, max_new_tokens=24, temperature=0)
-    spec = speculative_generate(model, draft, ids, m, num_draft_tokens=4, max_new_tokens=24, temperature=0)
+    # Fixed K: every step drafts (adaptive lengths may choose plain steps, see the test below).
+    spec = speculative_generate(model, draft, ids, m, num_draft_tokens=4, max_new_tokens=24, temperature=0,
+                                adaptive=False)
     assert plain.tokens.is_cuda and spec.tokens.is_cuda
     allowances = 0
     for tokens in (plain.tokens.cpu(), spec.tokens.cpu()):
@@ -267,3 +291,118 @@ def test_cuda_graphs_give_the_eager_tokens(draft_kind, monkeypatch):
         if len(differ):
             assert greedy_divergence_allowed(model, ids, m, eager.tokens, row, int(differ[0]))
     assert (eager.tokens.cpu() != tokens).any(1).sum() <= 1
+
+
+# ---- drafters, adaptive draft lengths and streaming on CUDA ----
+
+
+class _Recorder:
+    """A streamer keeping what each row was handed."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.rows: list[list[int]] = [[] for _ in range(batch_size)]
+        self.ended = False
+
+    def put(self, token_ids) -> None:
+        parts = [token_ids[0]] if isinstance(token_ids, torch.Tensor) else token_ids
+        for row, part in enumerate(parts):
+            assert part.device.type == "cpu" and part.dtype == torch.int64
+            self.rows[row] += part.tolist()
+
+    def end(self) -> None:
+        self.ended = True
+
+
+class _HiddenStatesDraft(PromptLookupDraft):
+    """Prompt lookup that asks for the target's hidden states and checks what it is given."""
+
+    needs_target_hidden = True
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.hidden_size, self.commits = hidden_size, 0
+
+    def commit(self, token_ids, num_tokens, *, hidden_states) -> None:
+        assert hidden_states.is_cuda and hidden_states.shape[:2] == token_ids.shape
+        assert hidden_states.shape[2] == self.hidden_size
+        self.commits += 1
+        super().commit(token_ids, num_tokens)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("draft_kind", ["model", "prompt-lookup", "oracle", "hidden-states"])
+def test_drafters_on_cuda_give_generate_tokens_and_stream_them(draft_kind, adaptive):
+    """Every kind of drafter on CUDA (graphs by default: one per batch size and verify width;
+    none for the target of a drafter reading its hidden states), with fixed and adaptive draft
+    lengths: greedy tokens equal eager `generate`'s (the top-2 gap allowance), and the streamer
+    is handed exactly the returned tokens, row by row."""
+    from specdec_kernels import ModelDraft
+    from specdec_kernels.testing import OracleDraft
+
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    input_ids, mask = ragged_prompts(seed=5)
+    ids, m = input_ids.cuda(), mask.cuda()
+    B, K, N = input_ids.shape[0], 4, 24
+    plain = generate(model, ids, m, max_new_tokens=N, temperature=0, cuda_graphs=False)
+    drafts = {"model": lambda: ModelDraft(model.truncated(1)), "prompt-lookup": PromptLookupDraft,
+              "oracle": lambda: OracleDraft(generate(model, ids, m, max_new_tokens=N + K, temperature=0,
+                                                     cuda_graphs=False).tokens),
+              "hidden-states": lambda: _HiddenStatesDraft(model.config.hidden_size)}
+    draft, streamer = drafts[draft_kind](), _Recorder(B)
+    spec = speculative_generate(model, draft, ids, m, num_draft_tokens=K, max_new_tokens=N, temperature=0,
+                                adaptive=adaptive, streamer=streamer)
+    assert spec.tokens.is_cuda and streamer.ended
+    tokens = spec.tokens.cpu()
+    for row in range(B):
+        assert streamer.rows[row] == spec.row_tokens(row)
+        differ = (plain.tokens[row].cpu() != tokens[row]).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(model, ids, m, plain.tokens, row, int(differ[0]))
+    assert (plain.tokens.cpu() != tokens).any(1).sum() <= 1
+    assert spec.stats.num_generated.tolist() == [N] * B
+    assert int(spec.stats.draft_lengths.sum()) == int(spec.stats.num_steps.sum())
+    if draft_kind == "oracle":
+        assert spec.stats.acceptance_rate > 0.9
+    if draft_kind == "hidden-states":
+        assert draft.commits == int(spec.stats.num_steps.max()) + 1
+
+
+@pytest.mark.parametrize("draft_kind, adaptive", [(None, False), ("model", False), ("model", True),
+                                                   ("prompt-lookup", False), ("prompt-lookup", True)],
+                         ids=["generate", "model-fixed", "model-adaptive", "prompt-lookup-fixed",
+                              "prompt-lookup-adaptive"])
+def test_decoding_steps_synchronize_once_on_cuda(draft_kind, adaptive):
+    """CUDA's own sync detector over whole eager runs: a longer run costs exactly one more
+    synchronization per extra step (the step's one transfer); draft lengths, streaming and row
+    drops add none."""
+    import collections
+    import warnings
+
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    ids, m = (t.cuda() for t in ragged_prompts(seed=8))
+
+    def syncs_and_steps(max_new_tokens: int) -> tuple[collections.Counter, int]:
+        """The synchronizations CUDA reports, counted per place in the source, and the steps."""
+        kwargs = dict(max_new_tokens=max_new_tokens, temperature=0, cuda_graphs=False, streamer=_Recorder(len(ids)))
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                if draft_kind is None:
+                    out = generate(model, ids, m, **kwargs)
+                else:
+                    draft = model.truncated(1) if draft_kind == "model" else PromptLookupDraft()
+                    out = speculative_generate(model, draft, ids, m, num_draft_tokens=3, adaptive=adaptive, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        places = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message))
+        return places, int(out.stats.num_steps.max())
+
+    syncs_and_steps(8)  # Triton compilation and lazy initialization out of the way
+    (short, short_steps), (long, long_steps) = syncs_and_steps(8), syncs_and_steps(32)
+    assert long_steps > short_steps
+    extra = long - short
+    transfer = [place for place in extra if "generation.py" in place]
+    assert len(transfer) == 1 and set(extra) == set(transfer), (short, long)  # only the transfer adds syncs
+    assert extra[transfer[0]] % (long_steps - short_steps) == 0, (short, long)  # the same number every step
