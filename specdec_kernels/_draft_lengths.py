@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import time
 
+from .cuda_graphs import GraphedForward
+
 DECAY = 0.98  # acceptance, per step: what was seen ~35 steps ago weighs half
 COST_DECAY = 0.95  # times, per step: ~20 steps averaged (the first step and outliers are dropped)
 
@@ -45,10 +47,6 @@ class _DecayedLine:
         d = COST_DECAY
         self.w, self.x, self.xx = d * self.w + 1, d * self.x + x, d * self.xx + x * x
         self.y, self.xy = d * self.y + y, d * self.xy + x * y
-
-    @property
-    def seen(self) -> bool:
-        return self.w > 0
 
     def spread(self) -> bool:
         """Whether the samples' x differ (a slope can be fitted)."""
@@ -80,6 +78,7 @@ class DraftLengths:
         self.chosen: dict[int, int] = {}  # the lengths of the proposal being made
         self.verified: tuple[list[tuple[int, int, int]], int] | None = None  # (row, asked, got), tokens
         self.clock = time.perf_counter()
+        self.recordings = GraphedForward.recordings  # CUDA graphs recorded in the process so far
         # Forgotten sums per row: steps with a first draft, first drafts accepted, tokens asked
         # for and tokens proposed; pooled over rows, per draft position j >= 2: drafts reached
         # (their predecessor accepted) and accepted.
@@ -97,7 +96,8 @@ class DraftLengths:
         self.verify_at: dict[int, tuple[float, float]] = {}  # forgotten sums: seconds, samples
         self.draft_seconds = self.draft_tokens = 0.0  # forgotten sums: D(w) = d w
         self.overhead = None  # seconds per step outside verification and drafting
-        self.steps_chosen = self.steps_seen = 0
+        self.steps_seen = 0  # steps timed
+        self.timed_drafts = False  # whether a verification with drafts was timed
 
     def choose(self, rows: list[int], generated: dict[int, int]) -> list[int]:
         """Draft lengths (0 .. K) for the batch's ``rows``, in order. ``generated``: each row's
@@ -106,8 +106,8 @@ class DraftLengths:
         be kept within the row's budget, and are not asked for."""
         if not self.adaptive:
             lengths = [self.K] * len(rows)
-        elif not self._ready():
-            lengths = [1 if self.steps_chosen < 2 else 0] * len(rows)
+        elif not self._ready():  # one-token drafts until they are timed, then plain steps (another count)
+            lengths = [1 if self.draft_tokens == 0 or not self.timed_drafts else 0] * len(rows)
         else:
             lengths = self._best(rows)
         if not (self.adaptive and self._ready()):
@@ -115,7 +115,6 @@ class DraftLengths:
         lengths = [max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
                    for row, k in zip(rows, lengths, strict=True)]
         self.chosen = dict(zip(rows, lengths, strict=True))
-        self.steps_chosen += 1
         return lengths
 
     def verifying(self, rows: list[int], drafted: dict[int, int], tokens: int) -> None:
@@ -127,7 +126,9 @@ class DraftLengths:
 
     def observe(self, accepted: dict[int, int], verify_s: float, draft_s: float) -> None:
         """At the loop's transfer: the drafts each verified row had ``accepted``, the seconds of
-        that verification (target forward and sampling) and of the proposal made since."""
+        that verification (target forward and sampling) and of the proposal made since. Where
+        either recorded a CUDA graph, the seconds are one-time work, not costs, and are left out."""
+        recordings, self.recordings = self.recordings, GraphedForward.recordings
         now = time.perf_counter()
         step_s, self.clock = now - self.clock, now
         if self.verified is None:
@@ -136,11 +137,11 @@ class DraftLengths:
         self.verified = None
         rows, asked, got, forecast = (list(column) for column in zip(*verified, strict=True))
         self._measured(rows, asked, got, [accepted[r] for r in rows], tokens, verify_s, width,
-                       draft_s if width else 0.0, step_s, forecast)
+                       draft_s if width else 0.0, step_s, forecast, timed=recordings == self.recordings)
 
     def _ready(self) -> bool:
         """Whether every cost has been measured."""
-        return self.verify.seen and self.draft_tokens > 0 and self.overhead is not None
+        return len(self.verify_at) > 1 and self.draft_tokens > 0 and self.overhead is not None
 
     def _predicted(self, tokens: float, width: int) -> float:
         """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row."""
@@ -221,11 +222,12 @@ class DraftLengths:
 
     def _measured(self, rows: list[int], asked: list[int], proposed: list[int], accepted: list[int],
                   verify_tokens: int, verify_s: float, draft_tokens: int, draft_s: float, step_s: float,
-                  forecast: list[float | None] | None = None) -> None:
+                  forecast: list[float | None] | None = None, timed: bool = True) -> None:
         """One step's measurements: for each of the batch's ``rows`` the drafts it asked for, got
         and had accepted; the target forward and sampling (``verify_s`` seconds over
         ``verify_tokens`` tokens), the next proposal (``draft_s`` seconds for ``draft_tokens``
-        per row, 0 if none was made) and the whole step from one transfer to the next."""
+        per row, 0 if none was made) and the whole step from one transfer to the next (not
+        costs where ``timed`` is False)."""
         for sums in (self.first_drafts, self.first_accepted, self.asked, self.got, self.reached, self.passed):
             sums[:] = [DECAY * x for x in sums]
         self.realized, self.forecast = DECAY * self.realized, DECAY * self.forecast
@@ -244,6 +246,8 @@ class DraftLengths:
         # A step that took far longer than its prediction was preempted or met a new shape, and
         # the first verification pays one-time costs (allocations, kernel choices): they do not
         # tell the costs of the next steps. (The proposal measured with the first is the second.)
+        if not timed:
+            return
         self.steps_seen += 1
         if self._ready() and step_s > 3 * self._predicted(verify_tokens, draft_tokens):
             return
@@ -253,6 +257,7 @@ class DraftLengths:
         if self.steps_seen == 1:
             return
         self.verify.add(verify_tokens, verify_s)
+        self.timed_drafts |= verify_tokens > len(rows)
         seconds, weight = self.verify_at.get(verify_tokens, (0.0, 0.0))
         self.verify_at[verify_tokens] = (COST_DECAY * seconds + verify_s, COST_DECAY * weight + 1)
         rest = max(0.0, step_s - verify_s - draft_s)

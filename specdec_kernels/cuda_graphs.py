@@ -37,6 +37,10 @@ class GraphedForward:
             does something else a capture does not allow); decode eagerly instead.
     """
 
+    #: Graphs recorded by all instances so far. A call that records takes far longer than a replay:
+    #: `speculative_generate` leaves steps that recorded out of its cost measurements.
+    recordings = 0
+
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], cache) -> None:
         self.forward, self.cache = forward, cache
         self.captures = 0  # graphs recorded so far
@@ -53,6 +57,7 @@ class GraphedForward:
         key = (tuple(input_ids.shape), q_seqlens is not None)
         if key not in self._graphs:
             self._graphs[key] = self._capture(input_ids, q_seqlens)
+            GraphedForward.recordings += 1
         replay, static_ids, static_q, out = self._graphs[key]
         static_ids.copy_(input_ids)
         if static_q is not None:

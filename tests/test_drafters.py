@@ -182,6 +182,27 @@ def test_the_policy_decodes_plainly_when_drafting_cannot_pay():
     assert policy.choose([0, 1], {}) == [0, 0]
 
 
+def test_steps_that_record_a_cuda_graph_are_not_costs(monkeypatch):
+    """A step whose verification or proposal recorded a CUDA graph (hundreds of times a replay)
+    teaches acceptance but not costs: a good draft comes into use after such steps, also when
+    they are the first probes."""
+    from specdec_kernels.cuda_graphs import GraphedForward
+
+    def run(recorded_at: set[int]) -> list[int]:
+        policy = DraftLengths(4, 10**6, 1, adaptive=True)
+        for step in range(12):
+            lengths = policy.choose([0], {})
+            policy.verifying([0], {0: lengths[0]}, 1 + lengths[0])
+            if step in recorded_at:
+                monkeypatch.setattr(GraphedForward, "recordings", GraphedForward.recordings + 1)
+            slow = 100.0 if step in recorded_at else 1.0
+            policy.observe({0: lengths[0]}, slow * (0.030 + 0.0005 * (1 + lengths[0])), slow * 0.001 * lengths[0])
+        return policy.choose([0], {})
+
+    for recorded_at in (set(), {0}, {0, 1}, {1, 2}, {3, 4}):
+        assert run(recorded_at) == [4], recorded_at
+
+
 def simulate(policy, rows, steps, accept, verify_s, draft_s):
     """Run ``policy`` against a synthetic machine: ``accept(row, k)`` drafts accepted of k,
     ``verify_s(tokens)`` and ``draft_s(width)`` seconds. Returns the lengths chosen per step."""
