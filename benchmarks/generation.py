@@ -52,20 +52,35 @@ class Setup:
     cuda_graphs: bool | None = None  # our loops' cuda_graphs= (None: on for CUDA)
 
 
-def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Setup:
+def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               random_weights: str | None = None) -> Setup:
     """SmolLM2 as our model and as transformers models on the same converted weights, on ``device``
     in ``dtype``. ``pack``: our model's matmuls in the forms `Llama.pack_weights` measures fastest,
-    where that applies (CPU float32)."""
-    from transformers import LlamaForCausalLM
+    where that applies (CPU float32). ``random_weights``: a folder holding SmolLM2's tokenizer
+    (``tokenizer.save_pretrained``); the models then get random weights in SmolLM2's shapes
+    (seeded), for machines without the model file: timings hold, acceptance says nothing of text."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    from specdec_kernels.model import Llama
     from specdec_kernels.pretrained import load_smollm2, smollm2_folder
 
-    model, tokenizer = load_smollm2(dtype=dtype, device=device)
+    if random_weights is None:
+        model, tokenizer = load_smollm2(dtype=dtype, device=device)
+        folder = smollm2_folder()
+        hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
+        hf_draft = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, num_hidden_layers=DRAFT_LAYERS)
+    else:
+        from benchmarks.diagnostics.smollm2_shape import SMOLLM2_SHAPE
+
+        tokenizer = AutoTokenizer.from_pretrained(random_weights)
+        torch.manual_seed(0)
+        hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(dtype)
+        hf_draft = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_SHAPE, "num_hidden_layers": DRAFT_LAYERS})).to(dtype)
+        hf_draft.load_state_dict(hf.state_dict(), strict=False)  # the first layers, embeddings and norm
+        model = Llama.from_pretrained(hf, dtype=dtype, device=device)
     if pack and model.can_pack_weights():
         model.pack_weights()
-    folder = smollm2_folder()
-    hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    hf_draft = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, num_hidden_layers=DRAFT_LAYERS).to(device).eval()
+    hf, hf_draft = hf.to(device).eval(), hf_draft.to(device).eval()
     for m in (hf, hf_draft):  # run to max_new_tokens, like ours with eos_token_id=None
         m.generation_config.eos_token_id = None
         m.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -141,13 +156,14 @@ def predicted_speedup(a: float, k: int, c: float, v: float) -> float:
 
 
 def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
-          device: str = "cpu", dtype: torch.dtype = torch.float32, cuda_graphs: bool = True) -> str:
+          device: str = "cpu", dtype: torch.dtype = torch.float32, cuda_graphs: bool = True,
+          random_weights: str | None = None) -> str:
     """Run every comparison ``repeats`` times (interleaved, so load changes hit every method alike)
     and return a markdown table of medians plus the machine line."""
     from benchmarks.timing import machine_line
 
     torch.manual_seed(0)
-    setup = load_setup(pack, device, dtype)
+    setup = load_setup(pack, device, dtype, random_weights)
     cuda = torch.device(device).type == "cuda"
     setup.cuda_graphs = None if cuda_graphs else False
     plan = setup.model.output.plan
@@ -190,7 +206,8 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
                         f"{quantities} | {eff} |")
     header = ("| batch | method | tokens/s | vs ours generate | vs HF generate | acceptance | "
               "measured c, v, decoding-phase speedup | efficiency |\n|---|---|---|---|---|---|---|---|")
-    return (f"SmolLM2-135M-Instruct {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+    weights = "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
+    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
             f"{max_new_tokens} new tokens per row, K = {k}, "
             f"median of {repeats} interleaved runs, our matmuls: {plan.describe() if plan else 'as loaded'}"
             f"{', our decoding steps replayed as CUDA graphs' if cuda and cuda_graphs else ''}\n"
@@ -216,7 +233,8 @@ def _timed(setup: Setup, fn, *args) -> tuple[float, object]:
 
 
 def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8), repeats: int = 3,
-                      pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+                      pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                      random_weights: str | None = None) -> str:
     """Fixed vs adaptive draft lengths against our plain generate, per draft, batch size and K,
     and the oracle drafter (every draft accepted) at K = 4, all interleaved in one run; returns a
     markdown table of medians plus the machine line.
@@ -230,7 +248,7 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
     from benchmarks.timing import machine_line
 
     torch.manual_seed(0)
-    setup = load_setup(pack, device, dtype)
+    setup = load_setup(pack, device, dtype, random_weights)
     lines = []
     for B in batch_sizes:
         oracle = make_drafter(setup, "oracle", B, max_new_tokens, 4)
@@ -267,7 +285,8 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
     header = ("| batch | draft | K | fixed K vs plain | adaptive vs plain | adaptive keeps of fixed K's gain | "
               "of best fixed K's gain | acceptance (fixed) | predicted (fixed) | efficiency (fixed) | "
               "adaptive mean draft length |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    return (f"SmolLM2-135M-Instruct {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} "
+    weights = "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
+    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} "
             f"new tokens per row, median of {repeats} interleaved runs, layer draft: the first {DRAFT_LAYERS} "
             f"of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
@@ -286,10 +305,15 @@ if __name__ == "__main__":
     parser.add_argument("--speculation", action="store_true",
                         help="fixed vs adaptive draft lengths for K in --ks, and the oracle drafter (no HF runs)")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--random-weights", metavar="TOKENIZER_DIR",
+                        help="random weights in SmolLM2's shapes and the tokenizer saved in TOKENIZER_DIR, "
+                             "for machines without the model (timings only)")
     args = parser.parse_args()
     if args.speculation:
         print(speculation_table(args.max_new_tokens, tuple(args.batch_sizes), tuple(args.ks), args.repeats,
-                                pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype)))
+                                pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),
+                                random_weights=args.random_weights))
         raise SystemExit(0)
     print(table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
-                device=args.device, dtype=getattr(torch, args.dtype), cuda_graphs=not args.no_cuda_graphs))
+                device=args.device, dtype=getattr(torch, args.dtype), cuda_graphs=not args.no_cuda_graphs,
+                random_weights=args.random_weights))
