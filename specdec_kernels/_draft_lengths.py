@@ -78,7 +78,7 @@ class DraftLengths:
         self.chosen: dict[int, int] = {}  # the lengths of the proposal being made
         self.verified: tuple[list[tuple[int, int, int]], int] | None = None  # (row, asked, got), tokens
         self.clock = time.perf_counter()
-        self.recordings = GraphedForward.recordings  # CUDA graphs recorded in the process so far
+        self.slow_calls = GraphedForward.slow_calls  # graphed forwards that did not replay, so far
         # Forgotten sums per row: steps with a first draft, first drafts accepted, tokens asked
         # for and tokens proposed; pooled over rows, per draft position j >= 2: drafts reached
         # (their predecessor accepted) and accepted.
@@ -127,8 +127,9 @@ class DraftLengths:
     def observe(self, accepted: dict[int, int], verify_s: float, draft_s: float) -> None:
         """At the loop's transfer: the drafts each verified row had ``accepted``, the seconds of
         that verification (target forward and sampling) and of the proposal made since. Where
-        either recorded a CUDA graph, the seconds are one-time work, not costs, and are left out."""
-        recordings, self.recordings = self.recordings, GraphedForward.recordings
+        either ran a shape eagerly or recorded its CUDA graph (`GraphedForward`), the seconds are
+        one-time work, not costs, and are left out."""
+        slow_calls, self.slow_calls = self.slow_calls, GraphedForward.slow_calls
         now = time.perf_counter()
         step_s, self.clock = now - self.clock, now
         if self.verified is None:
@@ -137,7 +138,7 @@ class DraftLengths:
         self.verified = None
         rows, asked, got, forecast = (list(column) for column in zip(*verified, strict=True))
         self._measured(rows, asked, got, [accepted[r] for r in rows], tokens, verify_s, width,
-                       draft_s if width else 0.0, step_s, forecast, timed=recordings == self.recordings)
+                       draft_s if width else 0.0, step_s, forecast, timed=slow_calls == self.slow_calls)
 
     def _ready(self) -> bool:
         """Whether every cost has been measured."""

@@ -20,15 +20,17 @@ class GraphedForward:
 
     ``forward`` runs a model on ``cache`` (appending at each row's length and advancing
     ``cache.lengths`` in place, as the model protocol does) and returns logits. The first call
-    of each shape (``input_ids`` [B, T], with or without ``q_seqlens`` [B]) records a graph:
-    two eager warm-up forwards, whose cache lengths are rolled back (their keys and values lie
-    past the lengths, where the replay writes the same values again), then the capture. Later
-    calls copy their inputs into the graph's and replay it.
+    of each shape (``input_ids`` [B, T], with or without ``q_seqlens`` [B]) runs ``forward``
+    eagerly; the second records a graph: an eager warm-up forward on the capture's stream, whose
+    cache lengths are rolled back (its keys and values lie past the lengths, where the replay
+    writes the same values again), then the capture. Later calls copy their inputs into the
+    graph's and replay it. A shape used once (a verify width probed once, the last steps of a
+    batch size) so costs one eager forward, not a recording.
 
-    The returned logits live in the graph's output buffer, which the next call of that shape
-    overwrites: use or copy them first. The graphs are dropped when the cache's tensors are
-    replaced (`KVCache.select`); a model's weights must not be replaced between calls (changed
-    in place is fine). A recording costs two eager forwards, the capture and a device
+    The returned logits may live in the graph's output buffer, which the next call of that
+    shape overwrites: use or copy them first. The graphs are dropped when the cache's tensors
+    are replaced (`KVCache.select`); a model's weights must not be replaced between calls
+    (changed in place is fine). A recording costs an eager forward, the capture and a device
     synchronization (torch's capture starts with one), once per shape: the generation loops
     record again in every call and after every change of batch size.
 
@@ -37,14 +39,14 @@ class GraphedForward:
             does something else a capture does not allow); decode eagerly instead.
     """
 
-    #: Graphs recorded by all instances so far. A call that records takes far longer than a replay:
-    #: `speculative_generate` leaves steps that recorded out of its cost measurements.
-    recordings = 0
+    #: Calls of all instances so far that ran eagerly or recorded a graph instead of replaying one,
+    #: each far slower than a replay: `speculative_generate` leaves their steps out of its costs.
+    slow_calls = 0
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], cache) -> None:
         self.forward, self.cache = forward, cache
         self.captures = 0  # graphs recorded so far
-        self._graphs: dict[tuple, tuple] = {}
+        self._graphs: dict[tuple, tuple | None] = {}  # None: the shape was run once, eagerly
         self._cache_tensors: tuple = (None, None, None)
 
     def __call__(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,9 +57,12 @@ class GraphedForward:
             self._graphs.clear()
             self._cache_tensors = tensors
         key = (tuple(input_ids.shape), q_seqlens is not None)
-        if key not in self._graphs:
+        if self._graphs.get(key) is None:
+            GraphedForward.slow_calls += 1
+            if key not in self._graphs:
+                self._graphs[key] = None  # seen once: recorded if it comes again
+                return self.forward(input_ids, q_seqlens)
             self._graphs[key] = self._capture(input_ids, q_seqlens)
-            GraphedForward.recordings += 1
         replay, static_ids, static_q, out = self._graphs[key]
         static_ids.copy_(input_ids)
         if static_q is not None:
@@ -84,13 +89,13 @@ class GraphedForward:
         static_q = None if q_seqlens is None else q_seqlens.clone()
         start = self.cache.lengths.clone()
         # Warm up on a side stream, as torch.cuda.graph asks: lazy initialization (cuBLAS
-        # workspaces, Triton compilation) must not happen inside the capture.
+        # workspaces, Triton compilation) must not happen inside the capture. The shape's first,
+        # eager call ran on the current stream; per-stream state needs this one.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward(static_ids, static_q)
-                self.cache.crop(start)
+            self.forward(static_ids, static_q)
+            self.cache.crop(start)
         torch.cuda.current_stream(device).wait_stream(stream)
         # Each graph gets its own memory pool: a shared one could not take a new graph once the
         # old ones are dropped while their outputs live on (torch asserts), and the pools are

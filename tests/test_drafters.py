@@ -183,8 +183,8 @@ def test_the_policy_decodes_plainly_when_drafting_cannot_pay():
 
 
 def test_steps_that_record_a_cuda_graph_are_not_costs(monkeypatch):
-    """A step whose verification or proposal recorded a CUDA graph (hundreds of times a replay)
-    teaches acceptance but not costs: a good draft comes into use after such steps, also when
+    """A step whose verification or proposal ran a new shape eagerly or recorded its CUDA graph
+    (many times a replay) teaches acceptance but not costs: a good draft comes into use after such steps, also when
     they are the first probes."""
     from specdec_kernels.cuda_graphs import GraphedForward
 
@@ -194,7 +194,7 @@ def test_steps_that_record_a_cuda_graph_are_not_costs(monkeypatch):
             lengths = policy.choose([0], {})
             policy.verifying([0], {0: lengths[0]}, 1 + lengths[0])
             if step in recorded_at:
-                monkeypatch.setattr(GraphedForward, "recordings", GraphedForward.recordings + 1)
+                monkeypatch.setattr(GraphedForward, "slow_calls", GraphedForward.slow_calls + 1)
             slow = 100.0 if step in recorded_at else 1.0
             policy.observe({0: lengths[0]}, slow * (0.030 + 0.0005 * (1 + lengths[0])), slow * 0.001 * lengths[0])
         return policy.choose([0], {})

@@ -463,7 +463,7 @@ def test_graph_replay_path_gives_the_eager_tokens(target, draft_kind, monkeypatc
     monkeypatch.setattr(cuda_graphs.GraphedForward, "_capture",
                         lambda self, ids, q: captures.append((id(self), *ids.shape)) or fake_capture(self, ids, q))
     graphed = run(eos_token_id=eos)
-    # One recording per forward (target, draft), batch size and verify width.
+    # At most one recording per forward (target, draft), batch size and verify width.
     assert len(set(captures)) > 1 and len(captures) == len(set(captures)), captures
     assert {T for _, _, T in captures} <= {1, 2, 3, 4}, captures
     assert eager.stats.num_generated.min() < 20  # rows were dropped
@@ -475,8 +475,9 @@ def test_graph_replay_path_gives_the_eager_tokens(target, draft_kind, monkeypatc
 
 
 def test_graphs_are_recorded_again_when_the_cache_tensors_change(target, monkeypatch):
-    """`KVCache.select` replaces the cache's tensors, also when the batch size stays: the old
-    graphs would write to the old tensors, so they are dropped and the shape is recorded again."""
+    """A shape runs eagerly at its first call and is recorded at its second. `KVCache.select`
+    replaces the cache's tensors, also when the batch size stays: the old graphs would write to
+    the old tensors, so they are dropped and the shape starts over."""
     from specdec_kernels.cuda_graphs import GraphedForward
 
     monkeypatch.setattr(GraphedForward, "_capture", fake_capture)
@@ -484,14 +485,19 @@ def test_graphs_are_recorded_again_when_the_cache_tensors_change(target, monkeyp
     step = GraphedForward(lambda ids, q_seqlens: target(ids, cache, q_seqlens, last_only=True), cache)
     ids = torch.randint(0, V, (3, 2))
     expected = target(ids, target.new_cache(3, 16))[:, -1:]
-    version = cache.version
-    assert torch.allclose(step(ids), expected, atol=1e-5) and step.captures == 1
+    version, slow_calls = cache.version, GraphedForward.slow_calls
+    assert torch.allclose(step(ids), expected, atol=1e-5) and step.captures == 0  # first use: eager
     assert torch.equal(cache.lengths, torch.full((3,), 2)) and cache.version > version
+    version = cache.version
+    step(ids)  # second use: recorded and replayed
+    assert step.captures == 1 and torch.equal(cache.lengths, torch.full((3,), 4)) and cache.version > version
     step(ids)
-    assert step.captures == 1 and torch.equal(cache.lengths, torch.full((3,), 4))
+    assert step.captures == 1 and torch.equal(cache.lengths, torch.full((3,), 6))
+    assert GraphedForward.slow_calls == slow_calls + 2
     cache.select(torch.tensor([2, 0, 1]))  # same batch size, new tensors
     step(ids)
-    assert step.captures == 2 and torch.equal(cache.lengths, torch.full((3,), 6))
+    step(ids)
+    assert step.captures == 2 and torch.equal(cache.lengths, torch.full((3,), 10))
 
 
 def test_cuda_graphs_need_a_kv_cache(target, monkeypatch):
