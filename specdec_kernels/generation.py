@@ -19,8 +19,9 @@ the target's features (`Drafter`, ``needs_target_hidden``).
 Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
 reads a device value on the host except the one "which rows are done?" check, which
 also drops finished rows from the batch so they stop costing compute. On CUDA the decoding
-forwards are replayed as CUDA graphs (`specdec_kernels.cuda_graphs`); a step that records a
-new graph (the first step at each batch size) also synchronizes the device once.
+forwards are replayed as CUDA graphs (`specdec_kernels.cuda_graphs`): a shape (batch size and
+verify width) runs eagerly the first time, is recorded the second (which synchronizes the device
+once), and is replayed after that.
 
 The two loops share one module on purpose: they share their argument checks, output bookkeeping
 and statistics, and are meant to be read side by side.
@@ -417,8 +418,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         seed: seeds a private generator (same seed, same tokens); None uses torch's global RNG.
         max_cache_len: KV-cache capacity per row (default and least: longest prompt +
             max_new_tokens - 1; the newest token is never written).
-        cuda_graphs: replay each decoding step as a CUDA graph (`GraphedForward`; recorded
-            once per batch size, attention then reads the whole cache capacity). None (default):
+        cuda_graphs: replay each decoding step as a CUDA graph (`GraphedForward`; recorded at
+            a batch size's second step, attention then reads the whole cache capacity). None (default):
             on CUDA with the built-in `Llama`; True: also for other models whose cache is a
             `KVCache` (their forward must not synchronize); False: never.
         streamer: an object with ``put(token_ids)`` and ``end()``, given the tokens as they are
@@ -500,8 +501,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             where no draft pays for its verification decodes plainly. False: K every step.
         other arguments: as in `generate`; the cache capacity also needs room for one step's K
             drafts (default and least: longest prompt + max_new_tokens - 1 + K). With CUDA
-            graphs one graph is recorded per batch size and verify width (none for a drafter that
-            needs the target's hidden states: the target's forward must take ``return_hidden``).
+            graphs one graph is recorded per batch size and verify width used twice (none for a
+            drafter that needs the target's hidden states: the target's forward must take
+            ``return_hidden``).
 
     Returns:
         `GenerationOutput`; ``stats`` has acceptance counts, the draft lengths chosen, forward
