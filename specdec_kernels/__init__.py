@@ -3,7 +3,8 @@
 Fused Triton kernels for the hot spots of speculative decoding (rejection
 sampling, first-rejection search, causal attention over a ragged KV cache),
 a vectorized sync-free CPU path for each op, plain-PyTorch references that
-prove them right, and a decoding API on top.
+prove them right, and a decoding API on top that takes the built-in `Llama` or a
+Hugging Face causal LM (`HFCausalLM`).
 
 Every op takes ``backend="auto" | "reference" | "torch" | "triton"``; see
 `specdec_kernels._backend`.
@@ -38,6 +39,7 @@ __all__ = [
     "Drafter",
     "GenerationOutput",
     "GenerationStats",
+    "HFCausalLM",
     "Llama",
     "LlamaConfig",
     "MatmulPlan",
@@ -63,3 +65,13 @@ __all__ = [
     "speculative_generate",
     "triton_available",
 ]
+
+
+def __getattr__(name: str):
+    # transformers is imported only by those who use it: `HFCausalLM` registers an attention
+    # function with it (`specdec_kernels.hf`).
+    if name == "HFCausalLM":
+        from .hf import HFCausalLM
+
+        return HFCausalLM
+    raise AttributeError(f"module 'specdec_kernels' has no attribute {name!r}")

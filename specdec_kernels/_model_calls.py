@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -115,6 +116,17 @@ def _decoding_forward(model, cache, name: str, graphs: bool, *, last_only: bool,
         raise ValueError(f"cuda_graphs needs the {name}'s cache to be a KVCache, got {type(cache).__name__}")
     graphed = GraphedForward(lambda ids, q_seqlens: forward(model, ids, cache, q_seqlens), cache)
     return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: graphed(ids, q_seqlens)
+
+
+def as_protocol_model(model):
+    """``model`` itself, or for a transformers ``PreTrainedModel`` an `HFCausalLM` around it
+    (``specdec_kernels.hf``; transformers is imported only when such a model is given)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return model
+    from .hf import HFCausalLM
+
+    return HFCausalLM(model)
 
 
 def _check_model(model, name: str) -> None:

@@ -39,7 +39,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ._checks import check_lengths_tensor, device_check, is_int
-from ._model_calls import _check_model, _decoding_forward, _last_logits, _new_cache, _use_cuda_graphs
+from ._model_calls import _check_model, _decoding_forward, _last_logits, _new_cache, _use_cuda_graphs, as_protocol_model
 
 
 @dataclass
@@ -121,6 +121,7 @@ class ModelDraft:
     """
 
     def __init__(self, model, *, cuda_graphs: bool | None = None) -> None:
+        model = as_protocol_model(model)
         _check_model(model, "draft")
         self.model = model
         self.cuda_graphs = cuda_graphs

@@ -46,6 +46,7 @@ from ._model_calls import (
     _new_cache,
     _use_cuda_graphs,
     allocating,
+    as_protocol_model,
 )
 from ._sampling_checks import check_sampling_params
 from .drafts import Drafter, ModelDraft, PromptLookupDraft, _checked_proposal
@@ -435,6 +436,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                        streamer=transformers.TextStreamer(tokenizer))
     """
     t_start = time.perf_counter()
+    model = as_protocol_model(model)
     request = _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
                        eos_token_id, pad_token_id, seed, max_cache_len, lookahead=0)
     device, B = input_ids.device, input_ids.shape[0]
@@ -518,6 +520,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
     if not isinstance(adaptive, bool):
         raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
+    target = as_protocol_model(target)
     _check_model(target, "target")
     drafter = _as_drafter(draft, target, cuda_graphs)
     t_start = time.perf_counter()
@@ -642,6 +645,7 @@ def _as_drafter(draft, target, cuda_graphs: bool | None) -> Drafter:
         missing = [m for m in ("prefill", "propose", "commit", "select") if not callable(getattr(draft, m, None))]
         raise TypeError(f"draft {type(draft).__name__} looks like a Drafter but has no {', '.join(missing)} "
                         "method(s): a Drafter has prefill, propose, commit and select")
+    draft = as_protocol_model(draft)
     _check_model(draft, "draft")
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft.vocab_size}, "

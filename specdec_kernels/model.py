@@ -108,6 +108,21 @@ class _Step:
         return x if self.packed is None else x.reshape(-1, x.shape[-1]).index_select(0, self.packed)
 
 
+def positions_read(cache_seqlens: torch.Tensor, max_seqlen: int | None, T: int, capacity: int) -> int:
+    """How many positions of each row attention reads in a forward of T new tokens per row:
+    ``max_seqlen`` (a host bound on ``cache_seqlens``, checked on the device) or the capacity."""
+    if max_seqlen is None:
+        return capacity
+    if not is_int(max_seqlen) or max_seqlen < T:
+        raise ValueError(f"max_seqlen must be an int >= T = {T} (the cache lengths after this pass "
+                         f"include the new tokens), got {max_seqlen!r}")
+    if max_seqlen >= capacity:  # the plan checks the lengths against the capacity
+        return capacity
+    device_check((cache_seqlens <= max_seqlen).all(),
+                 f"max_seqlen={max_seqlen} is below a row's cache length after this pass")
+    return int(max_seqlen)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -247,7 +262,7 @@ class Llama(nn.Module):
         q_seqlens = append.q_seqlens
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
         attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, min_seqlen=min_seqlen,
-                                        max_len=self._positions_read(cache_seqlens, max_seqlen, T, cache.max_len))
+                                        max_len=positions_read(cache_seqlens, max_seqlen, T, cache.max_len))
         packed = self._real_tokens(q_seqlens, num_tokens, B, T)
         step = _Step(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
         x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])
@@ -265,20 +280,6 @@ class Llama(nn.Module):
             return (logits, x) if return_hidden else logits
         logits = step.unpack(self.output(self.norm(x))).contiguous()  # [B, T, V] rows, vocab contiguous
         return (logits, step.unpack(x)) if return_hidden else logits
-
-    @staticmethod
-    def _positions_read(cache_seqlens: torch.Tensor, max_seqlen: int | None, T: int, capacity: int) -> int:
-        """How many positions of each row attention reads: ``max_seqlen`` (checked) or the capacity."""
-        if max_seqlen is None:
-            return capacity
-        if not is_int(max_seqlen) or max_seqlen < T:
-            raise ValueError(f"max_seqlen must be an int >= T = {T} (the cache lengths after this pass "
-                             f"include the new tokens), got {max_seqlen!r}")
-        if max_seqlen >= capacity:  # the plan checks the lengths against the capacity
-            return capacity
-        device_check((cache_seqlens <= max_seqlen).all(),
-                     f"max_seqlen={max_seqlen} is below a row's cache length after this pass")
-        return int(max_seqlen)
 
     @staticmethod
     def _real_tokens(q_seqlens: torch.Tensor | None, num_tokens: int | None, B: int, T: int) -> torch.Tensor | None:

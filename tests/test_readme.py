@@ -28,5 +28,5 @@ def test_readme_example_runs(capsys):
     (example,) = python_blocks(README.read_text(encoding="utf-8"))
     exec(compile(example, str(README), "exec"), {"__name__": "readme_example"})
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 4  # two greedy rows, the stats line, one sampled row
+    assert len(printed) == 5  # two greedy rows, the stats line, one sampled row, the transformers model's row
     assert "tokens per target forward" in printed[2]

@@ -1,0 +1,190 @@
+"""Hugging Face causal LMs through the package's cache and attention (`specdec_kernels.hf`),
+checked against transformers' own forward and ``generate`` for every supported family."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution  # noqa: E402
+
+from specdec_kernels import PromptLookupDraft, generate, speculative_generate  # noqa: E402
+from specdec_kernels.hf import SUPPORTED_MODEL_TYPES, HFCausalLM  # noqa: E402
+from specdec_kernels.testing import SyncCounter, assert_close  # noqa: E402
+
+from tiny_models import ragged_prompts  # noqa: E402
+
+V = 97
+
+
+def tiny_hf(family: str, seed: int = 0, layers: int = 2, hidden: int = 64, vocab_size: int = V, scale: float = 1.0,
+            **overrides):
+    """A random transformers model of ``family`` with small shapes, eager attention, in eval mode;
+    weights drawn with std ``scale / sqrt(fan_in)`` so logits are spread (greedy ties are rare)."""
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  intermediate_size=2 * hidden, num_key_value_heads=2, max_position_embeddings=256)
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None),
+        "qwen2": lambda: transformers.Qwen2Config(**common),  # q/k/v biases
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16),  # q/k norms
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(  # partial rotary, parallel residual
+            **{k: v for k, v in common.items() if k != "num_key_value_heads"}, rotary_pct=0.25),
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=4,
+                                                n_positions=256, bos_token_id=0, eos_token_id=0),
+        "phi3": lambda: transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(  # soft-capped logits: applied after the head
+            **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=256, final_logit_softcapping=2.0),
+    }
+    config = configs[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=generator) * scale / p.shape[-1] ** 0.5)
+            elif "bias" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' own forward over one full row (eager attention, no cache): [T, V]."""
+    with torch.no_grad():
+        return model(tokens[None], use_cache=False).logits[0]
+
+
+@pytest.mark.parametrize("family", SUPPORTED_MODEL_TYPES)
+def test_logits_through_our_cache_equal_transformers(family):
+    """A ragged, left-padded batch: prefill, 10 decode steps, a K+1 verification with ragged
+    widths, then a crop and one more step: each row's logits equal transformers' forward over
+    the row's full sequence (fp32 tolerance)."""
+    hf = tiny_hf(family)
+    model = HFCausalLM(hf)
+    input_ids, mask = ragged_prompts(B=4, P=9, seed=1)
+    prompts = [input_ids[b][mask[b].bool()] for b in range(4)]
+    lengths = torch.tensor([len(p) for p in prompts])
+    right = torch.zeros(4, 9, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        right[b, : len(p)] = p
+    g = torch.Generator().manual_seed(2)
+    sequences, cache = [torch.zeros(0, dtype=torch.int64)] * 4, model.new_cache(4, 40)
+    steps = [(right, lengths)] + [(torch.randint(0, V, (4, 1), generator=g), None) for _ in range(10)]
+    steps.append((torch.randint(0, V, (4, 5), generator=g), torch.tensor([5, 1, 3, 4])))
+    with torch.no_grad():
+        # Each row's last real position only (ragged: the head sees one position per row).
+        last = model(right, model.new_cache(4, 40), lengths, last_only=True)
+        for b in range(4):
+            assert_close(last[b, 0], hf_logits(hf, prompts[b])[-1], msg=f"{family} row {b}, last_only")
+        for tokens, q in steps:
+            logits = model(tokens, cache, q)
+            real = [tokens.shape[1] if q is None else int(q[b]) for b in range(4)]
+            for b in range(4):
+                sequences[b] = torch.cat([sequences[b], tokens[b, : real[b]]])
+                expected = hf_logits(hf, sequences[b])[-real[b]:]
+                assert_close(logits[b, : real[b]], expected, msg=f"{family} row {b}")
+        # Reject the verification's drafts past the first: crop, then one step from there.
+        keep = torch.tensor([len(s) for s in sequences]) - torch.tensor([4, 0, 2, 3])
+        cache.crop(keep)
+        sequences = [s[: int(n)] for s, n in zip(sequences, keep, strict=True)]
+        tokens = torch.randint(0, V, (4, 1), generator=g)
+        logits = model(tokens, cache, last_only=True)
+        for b in range(4):
+            expected = hf_logits(hf, torch.cat([sequences[b], tokens[b]]))[-1]
+            assert_close(logits[b, 0], expected, msg=f"{family} row {b} after the crop")
+    assert torch.equal(cache.lengths, keep + 1)
+
+
+@pytest.mark.parametrize("family", SUPPORTED_MODEL_TYPES)
+def test_greedy_decoding_equals_transformers_generate(family):
+    """Greedy `generate`, and `speculative_generate` with a smaller random draft of the same
+    family and with prompt lookup (fixed K, so every step verifies drafts), equal transformers'
+    greedy ``generate`` row by row on left-padded prompts."""
+    hf = tiny_hf(family, scale=3.0)
+    draft = tiny_hf(family, seed=5, layers=1, hidden=32, scale=3.0)
+    input_ids, mask = ragged_prompts(B=4, P=9, seed=3)
+    expected = hf.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[:, 9:]
+    runs = {
+        "generate": generate(hf, input_ids, mask, max_new_tokens=16, temperature=0),
+        "model draft": speculative_generate(hf, draft, input_ids, mask, num_draft_tokens=3, max_new_tokens=16,
+                                            temperature=0, adaptive=False),
+        "prompt lookup": speculative_generate(hf, PromptLookupDraft(), input_ids, mask, num_draft_tokens=3,
+                                              max_new_tokens=16, temperature=0, adaptive=False),
+    }
+    for name, out in runs.items():
+        assert torch.equal(out.tokens, expected), f"{family}, {name}"
+    assert runs["model draft"].stats.num_proposed.sum() > 0
+
+
+def test_sampling_with_a_transformers_model_matches_its_distribution():
+    """Speculative sampling with a transformers target and draft: the first three tokens follow
+    the target's exact distribution (chi-square, as for the built-in model)."""
+    target = HFCausalLM(tiny_hf("qwen2", seed=1, vocab_size=12, hidden=32, scale=4.0))
+    draft = tiny_hf("qwen2", seed=1, vocab_size=12, hidden=32, scale=4.0)  # the target's weights, perturbed
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * p.std() * 0.7)
+    prompt = torch.tensor([3, 1, 4])
+    sampling = dict(temperature=0.8, top_k=8)
+    joint, marginal3 = exact_first_tokens_distribution(target, prompt, **sampling)
+    ids = prompt.expand(6000, -1).contiguous()
+    out = speculative_generate(target.hf, draft, ids, num_draft_tokens=2, max_new_tokens=3, seed=12, adaptive=False,
+                               **sampling)
+    t = out.tokens
+    assert chi_square_pvalue(torch.bincount(t[:, 0] * 12 + t[:, 1], minlength=144).reshape(12, 12), joint) \
+        > P_THRESHOLD
+    assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=12), marginal3) > P_THRESHOLD
+    assert 0.05 < out.stats.acceptance_rate < 0.95
+
+
+def test_transformers_models_keep_one_host_sync_per_step():
+    hf = tiny_hf("llama", scale=3.0)
+    ids, mask = ragged_prompts(B=4)
+    for draft in (tiny_hf("llama", seed=5, layers=1, hidden=32), PromptLookupDraft()):
+        with SyncCounter() as syncs:
+            out = speculative_generate(hf, draft, ids, mask, max_new_tokens=12, num_draft_tokens=3, seed=0)
+        in_loop = [e for e in syncs.events if "_prepare" not in e.where and "prefill" not in e.where]
+        assert all("_rows_still_running" in e.where for e in in_loop), in_loop
+        assert len(in_loop) == int(out.stats.num_steps.max()) + 1
+
+
+def test_the_models_own_attention_setting_is_restored():
+    hf = tiny_hf("gpt2")
+    ids, _ = ragged_prompts(B=2)
+    generate(hf, ids, max_new_tokens=3)
+    assert hf.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="positions"):
+        generate(hf, ids, max_new_tokens=300)  # past GPT-2's learned positions
+    assert hf.config._attn_implementation == "eager"
+    hf(ids)  # still transformers' own model
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=V, hidden_size=32, n_layer=1,
+                                                                   n_head=4)), "model_type='bloom'"),
+    (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=V, d_model=32, d_ff=64,
+                                                                           num_layers=1, num_heads=4, d_kv=8)),
+     "encoder-decoder"),
+    (lambda: transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=V, hidden_size=32,
+                                                                    num_hidden_layers=1)), "model_type='mamba'"),
+    (lambda: transformers.LlamaModel(transformers.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                                              num_attention_heads=4, intermediate_size=64)),
+     "language-modelling head"),
+], ids=["alibi", "encoder-decoder", "state-space", "no-head"])
+def test_other_models_are_refused_by_name(make, match):
+    ids, _ = ragged_prompts(B=2)
+    with pytest.raises(ValueError, match=match):
+        generate(make(), ids, max_new_tokens=2)
+
+
+def test_a_sliding_window_shorter_than_the_cache_is_refused():
+    ids, _ = ragged_prompts(B=2)
+    with pytest.raises(ValueError, match="sliding window of 8"):
+        generate(tiny_hf("mistral", sliding_window=8), ids, max_new_tokens=4)
