@@ -121,6 +121,18 @@ def run_ours(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int =
                                 max_new_tokens=max_new_tokens, temperature=0, cuda_graphs=setup.cuda_graphs)
 
 
+def run_ours_on_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4):
+    """Our loops driving the transformers models themselves (`specdec_kernels.HFCausalLM`): greedy
+    `generate` (``draft`` None) or `speculative_generate` with prompt lookup or the transformers
+    layer draft (``"layers"``), adaptive lengths as in the package."""
+    ids, mask = encode(setup, batch_size)
+    if draft is None:
+        return generate(setup.hf, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+    drafter = PromptLookupDraft() if draft == "prompt_lookup" else setup.hf_draft
+    return speculative_generate(setup.hf, drafter, ids, mask, num_draft_tokens=k, max_new_tokens=max_new_tokens,
+                                temperature=0)
+
+
 def run_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4) -> int:
     """Greedy Hugging Face generation; returns tokens generated. Assisted generation handles one
     row per call, so batched assisted runs loop over rows."""
@@ -291,6 +303,50 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
             f"of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
+def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3,
+                    device: str = "cpu", dtype: torch.dtype = torch.float32,
+                    random_weights: str | None = None) -> str:
+    """Our loops driving transformers' own SmolLM2 (``LlamaForCausalLM``) against transformers'
+    generation with the same model and draft, the built-in `Llama` beside them; every method
+    ``repeats`` times, interleaved; a markdown table of medians plus the machine line."""
+    from benchmarks.timing import machine_line
+
+    torch.manual_seed(0)
+    setup = load_setup(True, device, dtype, random_weights)
+    cuda = torch.device(device).type == "cuda"
+    rows = []
+    for B in batch_sizes:
+        methods = {"HF generate": (run_hf, None), "ours generate, HF model": (run_ours_on_hf, None),
+                   "ours generate, built-in Llama": (run_ours, None),
+                   "HF assisted, prompt lookup": (run_hf, "prompt_lookup"),
+                   "ours spec, HF model, prompt lookup": (run_ours_on_hf, "prompt_lookup"),
+                   f"HF assisted, HF {DRAFT_LAYERS}-layer draft": (run_hf, "layers"),
+                   f"ours spec, HF model, HF {DRAFT_LAYERS}-layer draft": (run_ours_on_hf, "layers")}
+        for fn, draft in methods.values():
+            fn(setup, B, 4, draft, k)  # warm-up
+        runs = {name: [] for name in methods}
+        for _ in range(repeats):
+            for name, (fn, draft) in methods.items():
+                t0 = time.perf_counter()
+                out = fn(setup, B, max_new_tokens, draft, k)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                tokens = out if isinstance(out, int) else int(out.stats.num_generated.sum())
+                runs[name].append(tokens / (time.perf_counter() - t0))
+        tps = {name: sorted(r)[len(r) // 2] for name, r in runs.items()}
+        baseline = {"generate": tps["HF generate"], "prompt lookup": tps["HF assisted, prompt lookup"],
+                    "layer": tps[f"HF assisted, HF {DRAFT_LAYERS}-layer draft"]}
+        for name, value in tps.items():
+            against = next(base for key, base in baseline.items() if key in name)
+            rows.append(f"| {B} | {name} | {value:.1f} | {value / against:.2f}x |")
+    header = "| batch | method | tokens/s | vs transformers, same model and draft |\n|---|---|---|---|"
+    weights = "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
+    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device} as transformers' LlamaForCausalLM, "
+            f"greedy, {max_new_tokens} new tokens per row, K = {k} (ours: adaptive lengths), median of {repeats} "
+            f"interleaved runs; transformers' assisted generation takes one row per call (batch 8 loops over rows)\n"
+            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m benchmarks.generation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -308,7 +364,13 @@ if __name__ == "__main__":
     parser.add_argument("--random-weights", metavar="TOKENIZER_DIR",
                         help="random weights in SmolLM2's shapes and the tokenizer saved in TOKENIZER_DIR, "
                              "for machines without the model (timings only)")
+    parser.add_argument("--hf-models", action="store_true",
+                        help="our loops driving transformers' own model and draft against transformers' generation")
     args = parser.parse_args()
+    if args.hf_models:
+        print(hf_models_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, device=args.device,
+                              dtype=getattr(torch, args.dtype), random_weights=args.random_weights))
+        raise SystemExit(0)
     if args.speculation:
         print(speculation_table(args.max_new_tokens, tuple(args.batch_sizes), tuple(args.ks), args.repeats,
                                 pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),

