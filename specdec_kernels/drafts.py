@@ -111,8 +111,14 @@ class ModelDraft:
     drafts the target rejected are dropped by cropping its cache.
 
     Args:
-        model: the draft model (``model.vocab_size`` must equal the target's).
+        model: the draft model: the built-in `Llama`, a transformers causal LM, or any model
+            following the protocol.
         cuda_graphs: replay its one-token forwards as CUDA graphs, as in `generate`.
+        vocab_size: the target's vocabulary size, when the draft's differs from it by padding
+            only (`check_padded_vocabularies`): the draft's logits are cut or padded with -inf to
+            this width, so ids the draft lacks have draft probability 0 and the target's
+            distribution is never truncated (lossless either way); committed ids the draft lacks
+            are read by it as id 0. None: the draft's own size, which must then be the target's.
 
     Example::
 
@@ -120,11 +126,13 @@ class ModelDraft:
         out = speculative_generate(target, draft, input_ids, max_new_tokens=64)
     """
 
-    def __init__(self, model, *, cuda_graphs: bool | None = None) -> None:
+    def __init__(self, model, *, cuda_graphs: bool | None = None, vocab_size: int | None = None) -> None:
         model = as_protocol_model(model)
         _check_model(model, "draft")
         self.model = model
         self.cuda_graphs = cuda_graphs
+        self.vocab_size = model.vocab_size if vocab_size is None else vocab_size
+        check_padded_vocabularies(model.vocab_size, self.vocab_size)
 
     def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int) -> None:
         B, P = input_ids.shape
@@ -136,19 +144,20 @@ class ModelDraft:
         # (A last step may commit up to max_len + 1 tokens per row; the spare last column takes
         # the padding of every commit.)
         self.tokens = torch.zeros(B, max_len + 2, dtype=torch.int64, device=device)
-        self.tokens[:, :P] = input_ids
+        self.tokens[:, :P] = self._readable(input_ids)
         self.committed = q_seqlens.clone()
         self.longest = P  # host bound on every row's committed count (no sync to tighten it)
         self.unread, self.proposed = 0, False  # host bound on committed tokens not in the cache
         # The prompt's token count, read on the host once before decoding starts, lets the model
         # skip the padding of ragged prompts.
-        _last_logits(self.model, input_ids, self.cache, q_seqlens, int(q_seqlens.sum()), max_seqlen=P)
+        _last_logits(self.model, self.tokens[:, :P], self.cache, q_seqlens, int(q_seqlens.sum()), max_seqlen=P)
 
     def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
         start = self.cache.lengths
         offsets = torch.arange(self.unread, device=start.device)
         unread = self.tokens.gather(1, (start[:, None] + offsets).clamp(max=self.tokens.shape[1] - 1))
-        logits = _last_logits(self.model, unread, self.cache, self.committed - start, max_seqlen=self.longest)
+        logits = self._aligned(_last_logits(self.model, unread, self.cache, self.committed - start,
+                                            max_seqlen=self.longest))
         B = unread.shape[0]
         draft_logits = torch.empty(B, num_tokens, logits.shape[-1], dtype=logits.dtype, device=logits.device)
         ids = torch.empty(B, num_tokens, dtype=torch.int64, device=logits.device)
@@ -156,13 +165,14 @@ class ModelDraft:
             draft_logits[:, i] = logits
             ids[:, i] = sample(logits)
             if i + 1 < num_tokens:
-                logits = self._step(ids[:, i: i + 1], self.cache, max_seqlen=self.longest + i + 1, min_seqlen=None)
+                logits = self._aligned(self._step(ids[:, i: i + 1], self.cache, max_seqlen=self.longest + i + 1,
+                                                  min_seqlen=None))
         self.unread, self.proposed = 0, True
         return DraftProposal(ids, None, draft_logits)
 
     def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
         N = token_ids.shape[1]
-        _append(self.tokens, self.committed, token_ids, num_tokens)
+        _append(self.tokens, self.committed, self._readable(token_ids), num_tokens)
         # The cache holds the committed tokens it read, then the drafts it proposed; the accepted
         # drafts (num_tokens - 1 of this step's tokens) stay, the rest is cropped.
         self.cache.crop(torch.minimum(self.cache.lengths, self.committed + num_tokens - 1))
@@ -176,6 +186,39 @@ class ModelDraft:
     def select(self, rows: torch.Tensor) -> None:
         self.cache = self.cache.select(rows)
         self.tokens, self.committed = self.tokens[rows], self.committed[rows]
+
+    def _aligned(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V_draft] logits as [B, vocab_size]: the padded tail cut, or padded with -inf."""
+        width = self.model.vocab_size
+        if self.vocab_size == width:  # the loop checks the width against the vocabulary
+            return logits
+        if logits.shape[-1] != width:
+            raise ValueError(f"the draft model returned logits of width {logits.shape[-1]} but its vocab_size "
+                             f"is {width}")
+        extra = self.vocab_size - width
+        if extra < 0:
+            return logits[:, : self.vocab_size]
+        return torch.cat([logits, logits.new_full((logits.shape[0], extra), float("-inf"))], -1)
+
+    def _readable(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``token_ids`` with ids the draft has no embedding for (a target's padded tail) as 0:
+        what the draft reads only steers its guesses."""
+        if self.vocab_size <= self.model.vocab_size:
+            return token_ids
+        return token_ids.masked_fill(token_ids >= self.model.vocab_size, 0)
+
+
+def check_padded_vocabularies(draft_size: int, target_size: int) -> None:
+    """Raise ValueError unless a draft and a target vocabulary may differ only by padding: equal,
+    or the larger a multiple of 64 and fewer than 1024 rows longer (as 151936 and 152064 are). The
+    ids below the smaller size must mean the same tokens in both (a shared tokenizer); that a
+    model's size cannot show, so larger differences are refused."""
+    small, large = sorted((draft_size, target_size))
+    if small == large or (large % 64 == 0 and large - small < 1024):
+        return
+    raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft_size}, "
+                     f"target.vocab_size={target_size} (sizes may differ only by padding: the larger a multiple "
+                     f"of 64, fewer than 1024 rows longer)")
 
 
 @dataclass

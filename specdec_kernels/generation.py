@@ -634,7 +634,7 @@ def _host_list_to(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _as_drafter(draft, target, cuda_graphs: bool | None) -> Drafter:
     """``draft`` as a `Drafter`: drafters as they are, ``"prompt_lookup"`` as a `PromptLookupDraft`,
-    models as a `ModelDraft` (after checking that they share the target's vocabulary)."""
+    models as a `ModelDraft` (whose vocabulary may differ from the target's by padding only)."""
     if isinstance(draft, str):
         if draft != "prompt_lookup":
             raise ValueError(f"draft must be a Drafter, a model or \"prompt_lookup\", got {draft!r}")
@@ -645,9 +645,4 @@ def _as_drafter(draft, target, cuda_graphs: bool | None) -> Drafter:
         missing = [m for m in ("prefill", "propose", "commit", "select") if not callable(getattr(draft, m, None))]
         raise TypeError(f"draft {type(draft).__name__} looks like a Drafter but has no {', '.join(missing)} "
                         "method(s): a Drafter has prefill, propose, commit and select")
-    draft = as_protocol_model(draft)
-    _check_model(draft, "draft")
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"draft must share the target's vocabulary: draft.vocab_size={draft.vocab_size}, "
-                         f"target.vocab_size={target.vocab_size}")
-    return ModelDraft(draft, cuda_graphs=cuda_graphs)
+    return ModelDraft(draft, cuda_graphs=cuda_graphs, vocab_size=target.vocab_size)

@@ -407,3 +407,72 @@ def test_hidden_states_need_a_target_that_returns_them(target):
 
     with pytest.raises(TypeError, match="takes no return_hidden keyword"):
         speculative_generate(NoHidden(), HiddenReader(), torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+
+
+# ---- draft vocabularies padded differently from the target's ----
+
+
+def _sliced_copy(target, vocab_size: int, seed: int = 9):
+    """A one-layer draft with ``vocab_size`` rows: the target's first layer and the target's
+    embedding and head rows where both have them (random beyond)."""
+    c = target.config
+    draft = tiny_llama(seed=seed, layers=1, vocab_size=vocab_size, hidden=c.hidden_size, heads=c.num_attention_heads,
+                       kv_heads=c.num_key_value_heads)
+    state = {k: v for k, v in target.state_dict().items() if k in draft.state_dict()}
+    rows = min(vocab_size, target.vocab_size)
+    with torch.no_grad():
+        for name, tensor in draft.state_dict().items():
+            source = state[name]
+            if tensor.shape == source.shape:
+                tensor.copy_(source)
+            else:
+                tensor[:rows].copy_(source[:rows])
+    return draft
+
+
+@pytest.mark.parametrize("target_vocab, draft_vocab", [(128, 97), (97, 128)],
+                         ids=["target-padded", "draft-padded"])
+def test_a_draft_padded_differently_keeps_greedy_tokens(target_vocab, draft_vocab):
+    """Vocabularies differing by padding only: ids the draft lacks get draft probability 0, the
+    draft's own padded rows are cut; greedy output is the target's, and the draft is used."""
+    target = tiny_llama(seed=0, scale=3.0, vocab_size=target_vocab)
+    draft = _sliced_copy(target, draft_vocab)
+    input_ids, mask = ragged_prompts(seed=2)
+    plain = generate(target, input_ids, mask, max_new_tokens=16, temperature=0)
+    spec = speculative_generate(target, draft, input_ids, mask, num_draft_tokens=3, max_new_tokens=16,
+                                temperature=0, adaptive=False)
+    for row in range(input_ids.shape[0]):
+        differ = (plain.tokens[row] != spec.tokens[row]).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(target, input_ids, mask, plain.tokens, row, int(differ[0]))
+    assert spec.stats.num_accepted.sum() > 0
+
+
+def test_sampling_with_a_draft_lacking_the_targets_tail_is_lossless():
+    """A target of 64 ids, a draft of 12 (padding to 64 rows): the draft never proposes ids 12..63,
+    which the target samples all the same, with its exact distribution (chi-square)."""
+    from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
+
+    small = dict(layers=2, hidden=32, heads=4, kv_heads=1)
+    target = tiny_llama(seed=1, scale=4.0, vocab_size=64, **small)
+    draft = _sliced_copy(target, 12)
+    prompt = torch.tensor([3, 1, 4])
+    joint, marginal3 = exact_first_tokens_distribution(target, prompt)
+    ids = prompt.expand(6000, -1).contiguous()
+    out = speculative_generate(target, draft, ids, num_draft_tokens=2, max_new_tokens=3, seed=5, adaptive=False,
+                               temperature=1.0)
+    t = out.tokens
+    assert chi_square_pvalue(torch.bincount(t[:, 0] * 64 + t[:, 1], minlength=64 * 64).reshape(64, 64), joint) \
+        > P_THRESHOLD
+    assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=64), marginal3) > P_THRESHOLD
+    assert (t >= 12).any() and out.stats.num_accepted.sum() > 0
+
+
+@pytest.mark.parametrize("draft_vocab", [50, 105, 1280])
+def test_vocabularies_differing_by_more_than_padding_are_refused(draft_vocab):
+    """97 against 50 or 105 (the larger not a multiple of 64); 128 against 1280 (a multiple of 64,
+    but over 1024 rows longer)."""
+    target = tiny_llama(vocab_size=97 if draft_vocab != 1280 else 128)
+    ids, _ = ragged_prompts(B=2)
+    with pytest.raises(ValueError, match="draft must share the target's vocabulary"):
+        speculative_generate(target, tiny_llama(vocab_size=draft_vocab, layers=1), ids, max_new_tokens=4)

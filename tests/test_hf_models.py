@@ -188,3 +188,15 @@ def test_a_sliding_window_shorter_than_the_cache_is_refused():
     ids, _ = ragged_prompts(B=2)
     with pytest.raises(ValueError, match="sliding window of 8"):
         generate(tiny_hf("mistral", sliding_window=8), ids, max_new_tokens=4)
+
+
+def test_a_transformers_draft_padded_differently_keeps_greedy_tokens():
+    """Target and draft vocabularies of 128 and 97 rows (as Qwen2.5 7B and 0.5B: 152064 and 151936):
+    greedy speculative output equals transformers' own greedy generation."""
+    hf = tiny_hf("qwen2", scale=3.0, vocab_size=128)
+    draft = tiny_hf("qwen2", seed=5, layers=1, hidden=32, scale=3.0)
+    input_ids, mask = ragged_prompts(B=4, P=9, seed=3)
+    expected = hf.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[:, 9:]
+    out = speculative_generate(hf, draft, input_ids, mask, num_draft_tokens=3, max_new_tokens=16, temperature=0,
+                               adaptive=False)
+    assert torch.equal(out.tokens, expected)
