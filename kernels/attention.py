@@ -50,14 +50,21 @@ def _num_splits(length, max_splits, min_chunk, BN: tl.constexpr):
 # Integer arguments are never specialized (Triton would otherwise compile separate variants for
 # values equal to 1, such as T in decoding, or divisible by 16): the launched kernels are exactly
 # the registered, compile-checked specializations.
-_FWD_INTS = ["has_q_seqlens", "T", "G", "num_row_blocks", "max_splits", "min_chunk"]
-_MERGE_INTS = ["has_q_seqlens", "T", "G", "max_splits", "min_chunk"]
+_FWD_INTS = ["has_q_seqlens", "T", "G", "num_row_blocks", "max_splits", "min_chunk", "window"]
+_MERGE_INTS = ["has_q_seqlens", "T", "G", "max_splits", "min_chunk", "window"]
+
+
+@triton.jit
+def _first_key(length, n_q, window, BN: tl.constexpr):
+    """The first key any query of a row can see, rounded down to a key block: 0 without a window
+    (``window`` 0); with one, the window start of the row's first query."""
+    return tl.where(window > 0, (tl.maximum(length - n_q - window + 1, 0) // BN) * BN, 0)
 
 
 @triton.jit(do_not_specialize=_FWD_INTS)
 def _ragged_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, cache_seqlens_ptr, q_seqlens_ptr,
-    has_q_seqlens, T, G, num_row_blocks, max_splits, min_chunk, scale_log2e,
+    has_q_seqlens, T, G, num_row_blocks, max_splits, min_chunk, window, scale_log2e,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kl, stride_kh,
     stride_vb, stride_vl, stride_vh, stride_ob, stride_ot, stride_oh,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
@@ -71,10 +78,11 @@ def _ragged_attn_fwd_kernel(
 
     length = tl.load(cache_seqlens_ptr + i_b).to(tl.int32)
     n_q = tl.load(q_seqlens_ptr + i_b, mask=has_q_seqlens != 0, other=T).to(tl.int32)
-    n_split, chunk = _num_splits(length, max_splits, min_chunk, BN)
+    first = _first_key(length, n_q, window, BN)  # keys before it are outside every query's window
+    n_split, chunk = _num_splits(length - first, max_splits, min_chunk, BN)
     if i_s >= n_split:
         return
-    lo = i_s * chunk
+    lo = first + i_s * chunk
     hi = tl.minimum(lo + chunk, length)
 
     o_m = i_mb * BM + tl.arange(0, BM)          # packed rows r = t * G + g
@@ -84,6 +92,7 @@ def _ragged_attn_fwd_kernel(
     m_d = o_d < D
     m_row = (o_m < G * T) & (o_t < n_q)         # real queries
     pos = tl.where(m_row, length - n_q + o_t, -1)  # causal limit; -1: attends to nothing
+    span = tl.where(window > 0, window, 2147483647)  # the most keys a query sees (no window: all)
 
     o_head = i_h * G + o_g                      # query head of each packed row
     p_q = q_ptr + i_b * stride_qb + o_t[:, None] * stride_qt + o_head[:, None] * stride_qh + o_d[None, :]
@@ -105,7 +114,8 @@ def _ragged_attn_fwd_kernel(
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
         else:
             b_s = tl.dot(b_q, tl.trans(b_k))
-        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= pos[:, None]), b_s * scale_log2e, float("-inf"))
+        behind = pos[:, None] - o_n[None, :]  # how far each key lies behind each query
+        b_s = tl.where(m_n[None, :] & (behind >= 0) & (behind < span), b_s * scale_log2e, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         alpha = tl.exp2(m_i - m_new)
         b_p = tl.exp2(b_s - m_new[:, None])
@@ -139,7 +149,7 @@ def _ragged_attn_fwd_kernel(
 @triton.jit(do_not_specialize=_MERGE_INTS)
 def _ragged_attn_merge_kernel(
     out_ptr, o_part_ptr, lse_part_ptr, cache_seqlens_ptr, q_seqlens_ptr, has_q_seqlens,
-    T, G, max_splits, min_chunk, stride_ob, stride_ot, stride_oh,
+    T, G, max_splits, min_chunk, window, stride_ob, stride_ot, stride_oh,
     D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
 ):
     i_r = tl.program_id(0)                      # packed row r = t * G + g
@@ -148,7 +158,7 @@ def _ragged_attn_merge_kernel(
     Hkv = tl.num_programs(1)
     length = tl.load(cache_seqlens_ptr + i_b).to(tl.int32)
     n_q = tl.load(q_seqlens_ptr + i_b, mask=has_q_seqlens != 0, other=T).to(tl.int32)
-    n_split, chunk = _num_splits(length, max_splits, min_chunk, BN)
+    n_split, chunk = _num_splits(length - _first_key(length, n_q, window, BN), max_splits, min_chunk, BN)
     if n_split == 1:                            # the forward program wrote this row already
         return
     o_t = i_r // G
@@ -164,7 +174,7 @@ def _ragged_attn_merge_kernel(
     GT = G * T
     rows = ((i_b * Hkv + i_h) * max_splits + o_s) * GT + i_r
     lse = tl.load(lse_part_ptr + rows, mask=m_s, other=float("-inf"))
-    lse_max = tl.max(lse, 0)                    # finite: split 0 holds key 0, seen by every query
+    lse_max = tl.max(lse, 0)                    # finite: some split holds the query's own key
     w = tl.exp2(lse - lse_max)
     b_o = tl.load(o_part_ptr + rows[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
     b_out = tl.sum(w[:, None] * b_o, 0) / tl.sum(w, 0)
@@ -268,14 +278,16 @@ def _max_splits(batch: int, programs_per_row: int, max_len: int, min_chunk: int,
 @on_input_device
 def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, scale: float, *,
-                            max_splits: int | None = None, min_chunk: int | None = None,
-                            plan: object = None) -> torch.Tensor:
+                            sliding_window: int | None = None, max_splits: int | None = None,
+                            min_chunk: int | None = None, plan: object = None) -> torch.Tensor:
     """Launch the kernels for validated inputs (see `specdec_kernels.ragged_attention`).
 
     Args:
         q: [B, T, Hq, D]; k_cache, v_cache: [B, Lmax, Hkv, D] (same dtype; fp32, fp16 or bf16).
         cache_seqlens, q_seqlens: [B] integer (q_seqlens may be None: T per row).
         scale: softmax scale.
+        sliding_window: the most keys a query sees, or None: each row's key loop then starts at
+            the key block of its first query's window (the splits cover only what is visible).
         plan: the op's `RaggedAttentionPlan`, passed to every backend; unused here (the kernels
             mask by the lengths themselves, on the device).
         max_splits: override the host-side bound on splits per row (tests force 1 or many).
@@ -298,9 +310,11 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if min_chunk is None:
         min_chunk = min_split_keys(q.dtype, rows, BN)
     min_chunk = triton.cdiv(max(1, min_chunk), BN) * BN
+    window = sliding_window or 0
+    span = Lmax if not window else min(Lmax, window + T - 1 + BN)  # the most keys a row's splits cover
     if max_splits is None:
-        max_splits = _max_splits(B, Hkv * num_row_blocks, Lmax, min_chunk, q.device)
-    max_splits = max(1, min(MAX_SPLITS, max_splits, triton.cdiv(Lmax, min_chunk)))
+        max_splits = _max_splits(B, Hkv * num_row_blocks, span, min_chunk, q.device)
+    max_splits = max(1, min(MAX_SPLITS, max_splits, triton.cdiv(span, min_chunk)))
     cache_seqlens = cache_seqlens.to(torch.int64).contiguous()  # the kernels index [B] inputs as contiguous
     has_q = q_seqlens is not None
     q_lens = q_seqlens.to(torch.int64).contiguous() if has_q else cache_seqlens  # not read when has_q is False
@@ -312,7 +326,7 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         o_part = lse_part = torch.empty(1, dtype=torch.float32, device=q.device)
     _ragged_attn_fwd_kernel[(max_splits, Hkv * num_row_blocks, B)](
         q, k_cache, v_cache, out, o_part, lse_part, cache_seqlens, q_lens,
-        int(has_q), T, G, num_row_blocks, max_splits, min_chunk, scale * _LOG2E,
+        int(has_q), T, G, num_row_blocks, max_splits, min_chunk, window, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         D=D, BM=BM, BN=BN, BD=BD, IEEE=cfg["IEEE"], DOT_F32=cfg["DOT_F32"], num_warps=num_warps,
@@ -320,7 +334,7 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     if max_splits > 1:
         _ragged_attn_merge_kernel[(rows, Hkv, B)](
-            out, o_part, lse_part, cache_seqlens, q_lens, int(has_q), T, G, max_splits, min_chunk,
+            out, o_part, lse_part, cache_seqlens, q_lens, int(has_q), T, G, max_splits, min_chunk, window,
             out.stride(0), out.stride(1), out.stride(2),
             D=D, BD=BD, BN=BN, BS=MAX_SPLITS, num_warps=MERGE_WARPS, num_stages=MERGE_STAGES,
         )

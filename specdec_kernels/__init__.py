@@ -18,7 +18,7 @@ from .drafts import Drafter, DraftProposal, ModelDraft, PromptLookupDraft
 from .generation import GenerationOutput, GenerationStats, generate, speculative_generate
 from .matmul import MatmulPlan
 from .model import Llama, LlamaConfig
-from .pretrained import load_smollm2
+from .pretrained import load_gemma3_270m, load_smollm2
 from .sampling import (
     RejectionNoise,
     RejectionOutput,
@@ -54,6 +54,7 @@ __all__ = [
     "first_rejection_index",
     "generate",
     "interpreter_enabled",
+    "load_gemma3_270m",
     "load_smollm2",
     "make_rejection_noise",
     "process_logits",

@@ -162,7 +162,8 @@ class RaggedAttentionPlan:
     """
 
     def __init__(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
-                 num_queries: int, max_len: int, min_seqlen: int | None = None) -> None:
+                 num_queries: int, max_len: int, min_seqlen: int | None = None,
+                 sliding_window: int | None = None) -> None:
         if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dim() != 1:
             raise ValueError(f"cache_seqlens must be a [B] integer tensor, got "
                              f"{getattr(cache_seqlens, 'shape', type(cache_seqlens).__name__)}")
@@ -177,39 +178,49 @@ class RaggedAttentionPlan:
         check_lengths_tensor("cache_seqlens", cache_seqlens, B, device, on=str(device))
         if q_seqlens is not None:
             check_lengths_tensor("q_seqlens", q_seqlens, B, device, on=f"{device} like cache_seqlens")
+        _check_sliding_window(sliding_window)
         # Private copies: the masks are built from these values once, so they must not change.
         self._setup(cache_seqlens.clone(), None if q_seqlens is None else q_seqlens.clone(), num_queries, max_len,
-                    None if min_seqlen is None else int(min_seqlen))
+                    None if min_seqlen is None else int(min_seqlen), sliding_window)
 
     @classmethod
     def _for_one_call(cls, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, num_queries: int,
-                      max_len: int) -> RaggedAttentionPlan:
+                      max_len: int, sliding_window: int | None) -> RaggedAttentionPlan:
         """The plan `ragged_attention` makes for itself when given none, from arguments it has
         already checked: used by that call only, so it needs no private copies."""
         plan = cls.__new__(cls)
-        plan._setup(cache_seqlens, q_seqlens, num_queries, max_len)
+        plan._setup(cache_seqlens, q_seqlens, num_queries, max_len, None, sliding_window)
         return plan
 
     def _setup(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, num_queries: int,
-               max_len: int, min_seqlen: int | None = None) -> None:
+               max_len: int, min_seqlen: int | None = None, sliding_window: int | None = None) -> None:
         B = cache_seqlens.shape[0]
         _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len, min_seqlen)
         self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
         self.min_seqlen = min_seqlen or 0  # positions below it hold keys in every row
+        # A window at least as long as the cache view hides nothing: no window then.
+        self.sliding_window = sliding_window if sliding_window is not None and sliding_window < max_len else None
         self._masks: TorchMasks | None = None
         self._value_keep: torch.Tensor | None = None
 
     @property
     def full(self) -> bool:
-        """Whether every row's keys reach the end of the cache view (``min_seqlen == max_len``)."""
-        return self.min_seqlen == self.max_len
+        """Whether every row's keys reach the end of the cache view (``min_seqlen == max_len``)
+        and each query sees all of them up to its own (no sliding window hides any)."""
+        return self.min_seqlen == self.max_len and self.sliding_window is None
 
-    def check_call(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, T: int, Lmax: int) -> None:
-        """Raise ValueError unless a call's lengths and shapes are the ones this plan was made for."""
+    def check_call(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, T: int, Lmax: int,
+                   sliding_window: int | None = None) -> None:
+        """Raise ValueError unless a call's lengths, shapes and window are the ones this plan was
+        made for."""
         if cache_seqlens is not self.cache_seqlens or q_seqlens is not self.q_seqlens:
             raise ValueError("plan was made for other cache_seqlens / q_seqlens tensors: pass "
                              "plan.cache_seqlens and plan.q_seqlens")
+        window = sliding_window if sliding_window is not None and sliding_window < Lmax else None
+        if window != self.sliding_window:
+            raise ValueError(f"plan was made for sliding_window={self.sliding_window}; the call has "
+                             f"sliding_window={sliding_window}")
         if (T, Lmax) != (self.num_queries, self.max_len):
             raise ValueError(f"plan was made for T={self.num_queries}, Lmax={self.max_len}; "
                              f"got q with T={T} and a cache with Lmax={Lmax}")
@@ -223,7 +234,10 @@ class RaggedAttentionPlan:
             # Query t of row b sees keys 0 .. last[b, t]. Padding rows (t >= n) reach past the
             # row's length (possibly NaN there); they are zeroed at the end.
             last = self.cache_seqlens.view(B, 1) - n + steps                           # [B, T]
-            visible = torch.arange(Lmax, device=device) <= last.view(B, 1, T, 1, 1)
+            keys = torch.arange(Lmax, device=device)
+            visible = keys <= last.view(B, 1, T, 1, 1)
+            if self.sliding_window is not None:  # and only the window's last keys
+                visible &= keys > (last - self.sliding_window).view(B, 1, T, 1, 1)
             score_keep = visible.to(torch.int32).neg_().view(B, 1, T, 1, Lmax)
             score_bias = torch.bitwise_not(score_keep).bitwise_and_(_NEG_INF_BITS).view(torch.float32)
             # With T = 1 every row has its one query (q_seqlens lies in 1..T): nothing to zero.
@@ -234,12 +248,14 @@ class RaggedAttentionPlan:
     def value_keep(self) -> torch.Tensor:
         """[B, 1, Lmax, 1] int32: all ones (-1) on each row's valid keys, 0 beyond (the CPU path's
         mask for zeroing V by a bitwise AND), built on the first call. When the score masks were
-        built first and T = 1 or ``q_seqlens`` is None, it is a view of their ``score_keep``
+        built first, without a window, and T = 1 or ``q_seqlens`` is None, it is a view of their ``score_keep``
         (not contiguous for T > 1); neither is ever written to."""
         if self._value_keep is None:
             B, Lmax = self.batch_size, self.max_len
-            if self._masks is not None and (self.num_queries == 1 or self.q_seqlens is None):
-                # Each row's last query sees exactly its valid keys: its score mask is this mask.
+            reusable = self.num_queries == 1 or self.q_seqlens is None
+            if self._masks is not None and reusable and self.sliding_window is None:
+                # Each row's last query sees exactly its valid keys: its score mask is this mask
+                # (not with a window, which hides the first keys from the last query only).
                 self._value_keep = self._masks.score_keep[:, :, -1].view(B, 1, Lmax, 1)
             else:
                 valid = torch.arange(Lmax, device=self.cache_seqlens.device) < self.cache_seqlens.view(B, 1)
@@ -343,9 +359,9 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: Ragged
 
 def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, *, scale: float,
-                            plan: RaggedAttentionPlan) -> torch.Tensor:
+                            sliding_window: int | None, plan: RaggedAttentionPlan) -> torch.Tensor:
     """Vectorized, sync-free CPU path (works on any device). Arguments as in `ragged_attention`;
-    the lengths are read through ``plan`` (made for them)."""
+    the lengths and the window are read through ``plan`` (made for them)."""
     B, T, Hq, D = q.shape
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -383,13 +399,14 @@ _RAGGED_ATTENTION = Dispatch(
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
-                     scale: float | None = None, backend: str = "auto",
+                     scale: float | None = None, sliding_window: int | None = None, backend: str = "auto",
                      plan: RaggedAttentionPlan | None = None) -> torch.Tensor:
     """Causal GQA attention of T new queries per row over a ragged KV cache.
 
     Query i of row b sits at position ``cache_seqlens[b] - q_seqlens[b] + i`` and attends to keys
-    ``0 .. position`` of row b (causal, bottom-right aligned). Keys at or beyond
-    ``cache_seqlens[b]`` are never used, whatever they hold (NaN included).
+    ``0 .. position`` of row b (causal, bottom-right aligned), or with ``sliding_window`` W to the
+    last W of them, ``position - W + 1 .. position`` (Mistral's and Gemma's local layers). Keys at
+    or beyond ``cache_seqlens[b]`` are never used, whatever they hold (NaN included).
 
     Args:
         q: [B, T, Hq, D] float32 / float16 / bfloat16: T new query tokens per row (padded when a
@@ -400,10 +417,12 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             appended), in ``q_seqlens[b] .. Lmax``.
         q_seqlens: [B] integer in ``1 .. T``: real queries per row; None means T for every row.
         scale: softmax scale, default ``1 / sqrt(D)``.
+        sliding_window: W >= 1, the most keys a query sees (itself included), or None for all.
         backend: ``"auto"`` (Triton on CUDA for head dims 64, 80, 96 and 128, torch elsewhere),
             ``"reference"``, ``"torch"`` or ``"triton"``.
         plan: a `RaggedAttentionPlan` for these ``cache_seqlens`` / ``q_seqlens`` (the same
-            tensors), shared by calls with the same lengths; None makes one for this call.
+            tensors) and this window, shared by calls with the same lengths; None makes one for
+            this call.
 
     Returns:
         [B, T, Hq, D] in ``q.dtype`` (accumulated in float32); rows ``i >= q_seqlens[b]`` are zero.
@@ -417,11 +436,18 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
+    _check_sliding_window(sliding_window)
     if plan is not None:
         if not isinstance(plan, RaggedAttentionPlan):
             raise ValueError(f"plan must be a RaggedAttentionPlan or None, got {type(plan).__name__}")
-        plan.check_call(cache_seqlens, q_seqlens, T, Lmax)
+        plan.check_call(cache_seqlens, q_seqlens, T, Lmax, sliding_window)
     if plan is None:  # checks the lengths' values, whatever the backend
-        plan = RaggedAttentionPlan._for_one_call(cache_seqlens, q_seqlens, T, Lmax)
+        plan = RaggedAttentionPlan._for_one_call(cache_seqlens, q_seqlens, T, Lmax, sliding_window)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    return _RAGGED_ATTENTION[backend](q, k_cache, v_cache, cache_seqlens, q_seqlens, scale=scale, plan=plan)
+    return _RAGGED_ATTENTION[backend](q, k_cache, v_cache, cache_seqlens, q_seqlens, scale=scale,
+                                      sliding_window=plan.sliding_window, plan=plan)
+
+
+def _check_sliding_window(sliding_window) -> None:
+    if sliding_window is not None and (not is_int(sliding_window) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")

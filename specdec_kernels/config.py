@@ -29,6 +29,7 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
 
     def __post_init__(self) -> None:
         """Check every field before anything is built from it: a size of 0 or a negative ``rms_norm_eps``
@@ -52,6 +53,8 @@ class LlamaConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.sliding_window is not None:
+            _check_positive("sliding_window", self.sliding_window, integer=True)
         for name in ("rms_norm_eps", "rope_theta"):
             _check_positive(name, getattr(self, name), integer=False)
             setattr(self, name, float(getattr(self, name)))
@@ -97,14 +100,7 @@ class LlamaConfig:
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
         known = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
-        config = cls(**{k: v for k, v in d.items() if k in known}, rope_theta=theta, rope_scaling=rope or None)
-        # Sliding-window attention equals full attention up to the window: cap the context there
-        # (Mistral-7B-v0.1: window 4096 of 32768), so `generate` refuses longer sequences.
-        window = d.get("sliding_window")
-        if window is not None:
-            _check_positive("sliding_window", window, integer=True)
-            config.max_position_embeddings = min(config.max_position_embeddings, window)
-        return config
+        return cls(**{k: v for k, v in d.items() if k in known}, rope_theta=theta, rope_scaling=rope or None)
 
 
 _FLOAT32_MAX = 3.4028234663852886e38

@@ -12,17 +12,18 @@ given to them in `HFCausalLM` themselves (`specdec_kernels._model_calls.as_proto
     target = AutoModelForCausalLM.from_pretrained(...)      # any family in SUPPORTED_MODEL_TYPES
     out = generate(target, input_ids, attention_mask, max_new_tokens=64)
 
-Only families whose attention is checked against Hugging Face's own forward are taken
-(`SUPPORTED_MODEL_TYPES`); any other model type, and attention this path does not compute
-(logit soft-capping, attention sinks, a sliding window shorter than the cache), is refused with
-an error naming it: never a silently different model.
+Layers with a sliding window (Mistral, Qwen2's upper layers, Gemma 3's local layers) attend within
+it (`ragged_attention`'s ``sliding_window``). Only families whose attention is checked against
+Hugging Face's own forward are taken (`SUPPORTED_MODEL_TYPES`); any other model type, and
+attention this path does not compute (logit soft-capping, attention sinks), is refused with an
+error naming it: never a silently different model.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -41,11 +42,24 @@ _ATTENTION = "specdec_ragged"
 
 @dataclass
 class _Pass:
-    """What every attention call of one forward pass shares."""
+    """What every attention call of one forward pass shares: the cache and its append plan, and
+    one attention plan per sliding window its layers use (None: full causal attention)."""
 
     cache: KVCache
     append: AppendPlan
-    attention: RaggedAttentionPlan
+    cache_seqlens: torch.Tensor
+    q_seqlens: torch.Tensor | None
+    num_queries: int
+    positions: int  # positions of each row attention reads
+    min_seqlen: int | None
+    plans: dict = field(default_factory=dict)
+
+    def plan(self, sliding_window: int | None) -> RaggedAttentionPlan:
+        if sliding_window not in self.plans:
+            self.plans[sliding_window] = RaggedAttentionPlan(
+                self.cache_seqlens, self.q_seqlens, num_queries=self.num_queries, max_len=self.positions,
+                min_seqlen=self.min_seqlen, sliding_window=sliding_window)
+        return self.plans[sliding_window]
 
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,16 +77,12 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                          "does not compute")
     if s_aux is not None:
         raise ValueError(f"{name} uses attention sinks, which ragged_attention does not compute")
-    plan = specdec_pass.attention
-    if sliding_window is not None and plan.max_len > sliding_window:
-        raise ValueError(f"{name} attends within a sliding window of {sliding_window} positions but the cache "
-                         f"holds {plan.max_len} per row: sliding-window attention is not supported yet; keep "
-                         f"max_cache_len (prompt + new tokens + drafts) at most {sliding_window}")
+    plan = specdec_pass.plan(sliding_window)
     layer, cache = module.layer_idx, specdec_pass.cache
     cache.append(layer, key.transpose(1, 2), value.transpose(1, 2), plan=specdec_pass.append)
     S = plan.max_len
     out = ragged_attention(query.transpose(1, 2).contiguous(), cache.k[layer][:, :S], cache.v[layer][:, :S],
-                           plan.cache_seqlens, plan.q_seqlens, plan=plan, scale=scaling)
+                           plan.cache_seqlens, plan.q_seqlens, plan=plan, scale=scaling, sliding_window=sliding_window)
     return out, None
 
 
@@ -162,8 +172,8 @@ class HFCausalLM(nn.Module):
         append = cache.plan_append(T, q_seqlens)  # validates q_seqlens
         q_seqlens = append.q_seqlens
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
-        attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, min_seqlen=min_seqlen,
-                                        max_len=positions_read(cache_seqlens, max_seqlen, T, cache.max_len))
+        attention = _Pass(cache, append, cache_seqlens, q_seqlens, T,
+                          positions_read(cache_seqlens, max_seqlen, T, cache.max_len), min_seqlen)
         # Real tokens sit below the capacity; padding positions past it are clamped (their
         # outputs are never read), so learned position tables are never indexed beyond it.
         positions = (cache.lengths[:, None] + torch.arange(T, device=input_ids.device)).clamp_(max=cache.max_len - 1)
@@ -171,7 +181,7 @@ class HFCausalLM(nn.Module):
         with self._implementation(), self._last_rows(q_seqlens if ragged_last else None):
             out = self.hf(input_ids=input_ids, position_ids=positions, use_cache=False,
                           logits_to_keep=1 if last_only and not ragged_last else 0,
-                          specdec_pass=_Pass(cache, append, attention))
+                          specdec_pass=attention)
         cache.advance(T if q_seqlens is None else q_seqlens)
         return out.logits
 

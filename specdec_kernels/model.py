@@ -141,7 +141,7 @@ class Attention(nn.Module):
         plan = step.attention
         S = plan.max_len  # positions attention reads: the cache's capacity or a bound on the lengths
         out = ragged_attention(qk[:, :, :H], cache.k[layer][:, :S], cache.v[layer][:, :S], plan.cache_seqlens,
-                               plan.q_seqlens, plan=plan)
+                               plan.q_seqlens, sliding_window=plan.sliding_window, plan=plan)
         return self.wo(step.pack(out.reshape(B, T, H * D)))
 
 
@@ -262,7 +262,8 @@ class Llama(nn.Module):
         q_seqlens = append.q_seqlens
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
         attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, min_seqlen=min_seqlen,
-                                        max_len=positions_read(cache_seqlens, max_seqlen, T, cache.max_len))
+                                        max_len=positions_read(cache_seqlens, max_seqlen, T, cache.max_len),
+                                        sliding_window=self.config.sliding_window)
         packed = self._real_tokens(q_seqlens, num_tokens, B, T)
         step = _Step(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
         x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])

@@ -551,3 +551,70 @@ def test_min_seqlen_is_checked():
         with pytest.raises(DeviceCheckError, match="min_seqlen=10"):
             RaggedAttentionPlan(cache_seqlens, q_lens, num_queries=3, max_len=12, min_seqlen=10)
     assert not RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=3, max_len=12, min_seqlen=9).full
+
+
+# ---- sliding-window attention ----
+
+
+def windowed_oracle(q, k, v, cache_seqlens, q_seqlens, window):
+    """Independent oracle: each query row on its own, SDPA in float64 over exactly the last
+    ``window`` keys up to its position (sliced, not masked)."""
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    out = torch.zeros(B, T, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        L = int(cache_seqlens[b])
+        n = T if q_seqlens is None else int(q_seqlens[b])
+        for t in range(n):
+            pos = L - n + t
+            keys = slice(max(0, pos - window + 1), pos + 1)
+            qt = q[b, t].double()[:, None]                                             # [Hq, 1, D]
+            kb = k[b, keys].double().transpose(0, 1).repeat_interleave(G, dim=0)   # [Hq, W, D]
+            vb = v[b, keys].double().transpose(0, 1).repeat_interleave(G, dim=0)
+            out[b, t] = F.scaled_dot_product_attention(qt, kb, vb)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 47, 200], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("T,q_lens", [(1, None), (5, [5, 1, 3]), (7, None)], ids=["decode", "verify", "prefill"])
+def test_sliding_window_matches_the_oracle(backend, window, T, q_lens):
+    """Windows shorter than a verification's queries (1, 3), inside the cache (16, 47) and longer
+    than it (200: no key hidden), ragged rows, NaN beyond every length: every backend equals
+    attention over exactly each query's last ``window`` keys."""
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(3, T, 2, 2, 64, 48, [48, 20, 7], q_lens)
+    out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, sliding_window=window, backend=backend)
+    assert_close(out, windowed_oracle(q, k, v, cache_seqlens, q_seqlens, window))
+    if window >= 48:  # a window as long as the cache hides nothing
+        assert_close(out, ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend=backend))
+
+
+@pytest.mark.parametrize("split", ["nosplit", "split"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_triton_sliding_window_reads_only_the_window(split, dtype):
+    """Long rows with a 200-key window: the kernel reads within 1.15 x the keys some query of the
+    row can see (plus the queries and the output), not the whole row, in both paths."""
+    pytest.importorskip("triton")
+    from specdec_kernels.kernels.attention import ragged_attention_triton
+
+    window, lengths, q_lens = 200, [1500, 700, 90, 1200], [5, 2, 5, 1]
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(4, 5, 3, 3, 64, max(lengths), lengths, q_lens, dtype)
+    with TrafficMeter() as meter:
+        out = ragged_attention_triton(q, k, v, cache_seqlens, q_seqlens, 64 ** -0.5, sliding_window=window,
+                                      max_splits=1 if split == "nosplit" else 8)
+    visible = torch.minimum(cache_seqlens, q_seqlens + window - 1)  # keys the row's queries see together
+    el = q.element_size()
+    minimum = int(visible.sum()) * 3 * 64 * 2 * el + int(q_seqlens.sum()) * 9 * 64 * el + q.numel() * el
+    assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
+    assert_close(out, windowed_oracle(q, k, v, cache_seqlens, q_seqlens, window), dtype)
+
+
+def test_a_plan_is_made_for_one_window():
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(2, 3, 2, 2, 64, 32, [32, 9], [3, 2])
+    plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=3, max_len=32, sliding_window=8)
+    out = ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, sliding_window=8, plan=plan)
+    assert_close(out, windowed_oracle(q, k, v, cache_seqlens, q_seqlens, 8))
+    with pytest.raises(ValueError, match="plan was made for sliding_window=8"):
+        ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, plan=plan)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
+            ragged_attention(q, k, v, cache_seqlens, q_seqlens, sliding_window=bad)

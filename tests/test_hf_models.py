@@ -60,12 +60,23 @@ def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens[None], use_cache=False).logits[0]
 
 
-@pytest.mark.parametrize("family", SUPPORTED_MODEL_TYPES)
-def test_logits_through_our_cache_equal_transformers(family):
+#: Families with sliding-window layers, with a window (6) far shorter than the sequences tested.
+WINDOWED = {
+    "mistral-window": ("mistral", dict(sliding_window=6)),
+    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                   layer_types=["full_attention", "sliding_attention"])),
+    "gemma3_text-window": ("gemma3_text", dict(sliding_window=6)),  # local layers, then a global one
+}
+FAMILIES = [pytest.param(family, {}, id=family) for family in SUPPORTED_MODEL_TYPES] + [
+    pytest.param(family, overrides, id=name) for name, (family, overrides) in WINDOWED.items()]
+
+
+@pytest.mark.parametrize("family, overrides", FAMILIES)
+def test_logits_through_our_cache_equal_transformers(family, overrides):
     """A ragged, left-padded batch: prefill, 10 decode steps, a K+1 verification with ragged
     widths, then a crop and one more step: each row's logits equal transformers' forward over
-    the row's full sequence (fp32 tolerance)."""
-    hf = tiny_hf(family)
+    the row's full sequence (fp32 tolerance), sliding windows included."""
+    hf = tiny_hf(family, **overrides)
     model = HFCausalLM(hf)
     input_ids, mask = ragged_prompts(B=4, P=9, seed=1)
     prompts = [input_ids[b][mask[b].bool()] for b in range(4)]
@@ -101,13 +112,14 @@ def test_logits_through_our_cache_equal_transformers(family):
     assert torch.equal(cache.lengths, keep + 1)
 
 
-@pytest.mark.parametrize("family", SUPPORTED_MODEL_TYPES)
-def test_greedy_decoding_equals_transformers_generate(family):
+@pytest.mark.parametrize("family, overrides", FAMILIES)
+def test_greedy_decoding_equals_transformers_generate(family, overrides):
     """Greedy `generate`, and `speculative_generate` with a smaller random draft of the same
     family and with prompt lookup (fixed K, so every step verifies drafts), equal transformers'
     greedy ``generate`` row by row on left-padded prompts."""
-    hf = tiny_hf(family, scale=3.0)
-    draft = tiny_hf(family, seed=5, layers=1, hidden=32, scale=3.0)
+    hf = tiny_hf(family, scale=3.0, **overrides)
+    draft = tiny_hf(family, seed=5, layers=1, hidden=32, scale=3.0,
+                    **{k: v for k, v in overrides.items() if k != "layer_types"})
     input_ids, mask = ragged_prompts(B=4, P=9, seed=3)
     expected = hf.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[:, 9:]
     runs = {
@@ -184,10 +196,6 @@ def test_other_models_are_refused_by_name(make, match):
         generate(make(), ids, max_new_tokens=2)
 
 
-def test_a_sliding_window_shorter_than_the_cache_is_refused():
-    ids, _ = ragged_prompts(B=2)
-    with pytest.raises(ValueError, match="sliding window of 8"):
-        generate(tiny_hf("mistral", sliding_window=8), ids, max_new_tokens=4)
 
 
 def test_a_transformers_draft_padded_differently_keeps_greedy_tokens():
@@ -207,8 +215,8 @@ def test_a_transformers_draft_padded_differently_keeps_greedy_tokens():
                     reason="Gemma 3 270M not installed (see specdec_kernels.pretrained.GEMMA3_INSTALL)")
 def test_gemma3_270m_decodes_as_transformers_does():
     """The real Gemma 3 270M (local and global layers, a 262144-token vocabulary): greedy
-    `generate` and prompt-lookup `speculative_generate` equal transformers' greedy ``generate``;
-    a cache past its 512-position sliding window is refused."""
+    `generate` and prompt-lookup `speculative_generate` equal transformers' greedy ``generate``,
+    also past the local layers' 512-position sliding window."""
     from specdec_kernels.pretrained import load_gemma3_270m
 
     model, tokenizer = load_gemma3_270m()
@@ -221,5 +229,8 @@ def test_gemma3_270m_decodes_as_transformers_does():
                                 temperature=0, adaptive=False)
     assert torch.equal(plain.tokens, expected) and torch.equal(spec.tokens, expected)
     assert spec.stats.num_accepted.sum() > 0
-    with pytest.raises(ValueError, match="sliding window of 512"):
-        generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=520)
+    # Past the local layers' 512-position window: a 600-token prompt, then 6 greedy tokens.
+    long = tokenizer(" ".join(f"item {i}," for i in range(200)), return_tensors="pt").input_ids[:, :600]
+    assert long.shape[1] == 600
+    expected = model.generate(long, max_new_tokens=6, do_sample=False)[:, 600:]
+    assert torch.equal(generate(model, long, max_new_tokens=6, temperature=0).tokens, expected)

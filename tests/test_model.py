@@ -264,24 +264,25 @@ def test_rope_stays_float32_in_half_precision_models():
     assert logits.dtype == torch.bfloat16 and logits.isfinite().all()
 
 
-def test_sliding_window_caps_the_context():
-    """A sliding window shorter than the context (Mistral-7B-v0.1) equals full attention up to the
-    window: the model loads with its context capped there, and generate refuses longer runs."""
+def test_sliding_window_attention_past_the_window():
+    """A Mistral config with a 16-key window: the built-in model attends within it, past the
+    window too (40 positions): logits equal transformers' forward, and greedy `generate` equals
+    transformers' greedy `generate` over 30 new tokens."""
     from specdec_kernels import generate
 
     hf_config = transformers.MistralConfig(vocab_size=97, hidden_size=16, intermediate_size=32,
                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                            sliding_window=16, max_position_embeddings=64)
-    assert LlamaConfig.from_hf(hf_config).max_position_embeddings == 16
+    hf_config._attn_implementation = "eager"
+    assert LlamaConfig.from_hf(hf_config).sliding_window == 16
     hf = transformers.MistralForCausalLM(hf_config).eval()
     model = Llama.from_pretrained(hf)
+    tokens = torch.randint(0, 97, (2, 40))
+    with torch.no_grad():
+        assert_close(model(tokens, model.new_cache(2, 48)), hf(tokens).logits, dtype=torch.float32)
     ids = torch.randint(0, 97, (1, 10))
-    with torch.no_grad():  # up to the window the two attentions agree
-        window = torch.randint(0, 97, (2, 16))
-        assert_close(model(window, model.new_cache(2, 16)), hf(window).logits, dtype=torch.float32)
-    assert generate(model, ids, max_new_tokens=6).tokens.shape == (1, 6)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        generate(model, ids, max_new_tokens=7)
+    expected = hf.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0)[:, 10:]
+    assert torch.equal(generate(model, ids, max_new_tokens=30, temperature=0).tokens, expected)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 63, 64, 65])

@@ -3,7 +3,8 @@
 Same signature as `specdec_kernels.ragged_attention` (without ``backend``; inputs are assumed
 checked, as the op does before it dispatches). It reads like the definition: query i of row b
 sits at position ``cache_seqlens[b] - q_seqlens[b] + i`` and attends, with an explicit boolean
-mask, to keys ``0 .. position`` of its own row; rows ``i >= q_seqlens[b]`` are zero. Only the
+mask, to keys ``0 .. position`` of its own row (the last ``sliding_window`` of them, with a
+window); rows ``i >= q_seqlens[b]`` are zero. Only the
 valid prefix of each cache row is ever sliced, so whatever lies beyond ``cache_seqlens[b]``
 cannot reach the output. Speed is not a goal. Imports torch and einops only.
 """
@@ -18,7 +19,8 @@ from einops import einsum, rearrange
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
-                     scale: float | None = None, plan: object = None) -> torch.Tensor:
+                     scale: float | None = None, sliding_window: int | None = None,
+                     plan: object = None) -> torch.Tensor:
     """Causal (bottom-right aligned) GQA attention of T new queries per row over a ragged cache.
 
     Args:
@@ -29,6 +31,8 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             ``q_seqlens[b] .. Lmax``.
         q_seqlens: [B] integer in ``1 .. T`` (real queries per row), or None for T.
         scale: softmax scale, default ``1 / sqrt(D)``.
+        sliding_window: W >= 1: the query at position p sees only keys ``p - W + 1 .. p``;
+            None: keys ``0 .. p``.
         plan: the op's `RaggedAttentionPlan`; unused (the reference builds its masks row by row).
 
     Returns:
@@ -45,7 +49,10 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         qb = rearrange(q[b, :n].float(), "t (h g) d -> h g t d", g=G)
         kb, vb = k_cache[b, :length].float(), v_cache[b, :length].float()      # [L, Hkv, D]
         positions = length - n + torch.arange(n, device=q.device)               # [n]
-        mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
+        keys = torch.arange(length, device=q.device)[None, :]
+        mask = keys <= positions[:, None]                                        # [n, L]
+        if sliding_window is not None:
+            mask &= keys > positions[:, None] - sliding_window
         scores = einsum(qb, kb, "h g t d, l h d -> h g t l") * scale
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         heads = einsum(probs, vb, "h g t l, l h d -> h g t d")
