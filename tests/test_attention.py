@@ -36,8 +36,9 @@ def make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype=torch.float32, see
     return [x.to(device) if x is not None else None for x in (q, k, v, cache_seqlens, q_seqlens)]
 
 
-def dense_oracle(q, k, v, cache_seqlens, q_seqlens, scale=None):
-    """Independent oracle: SDPA in float64 on each row's valid prefix, queries cut to the real ones."""
+def dense_oracle(q, k, v, cache_seqlens, q_seqlens, scale=None, window=None):
+    """Independent oracle: SDPA in float64 on each row's valid prefix, queries cut to the real ones
+    (with ``window``, each query's mask keeps its last ``window`` keys)."""
     B, T, Hq, D = q.shape
     G = Hq // k.shape[2]
     out = torch.zeros(B, T, Hq, D, dtype=torch.float64)
@@ -47,7 +48,10 @@ def dense_oracle(q, k, v, cache_seqlens, q_seqlens, scale=None):
         qb = q[b, :n].double().transpose(0, 1)                                  # [Hq, n, D]
         kb = k[b, :L].double().transpose(0, 1).repeat_interleave(G, dim=0)     # [Hq, L, D]
         vb = v[b, :L].double().transpose(0, 1).repeat_interleave(G, dim=0)
-        mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+        positions = (L - n + torch.arange(n))[:, None]
+        mask = torch.arange(L)[None, :] <= positions
+        if window is not None:
+            mask &= torch.arange(L)[None, :] > positions - window
         out[b, :n] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale).transpose(0, 1)
     return out
 
@@ -556,25 +560,6 @@ def test_min_seqlen_is_checked():
 # ---- sliding-window attention ----
 
 
-def windowed_oracle(q, k, v, cache_seqlens, q_seqlens, window):
-    """Independent oracle: each query row on its own, SDPA in float64 over exactly the last
-    ``window`` keys up to its position (sliced, not masked)."""
-    B, T, Hq, D = q.shape
-    G = Hq // k.shape[2]
-    out = torch.zeros(B, T, Hq, D, dtype=torch.float64)
-    for b in range(B):
-        L = int(cache_seqlens[b])
-        n = T if q_seqlens is None else int(q_seqlens[b])
-        for t in range(n):
-            pos = L - n + t
-            keys = slice(max(0, pos - window + 1), pos + 1)
-            qt = q[b, t].double()[:, None]                                             # [Hq, 1, D]
-            kb = k[b, keys].double().transpose(0, 1).repeat_interleave(G, dim=0)   # [Hq, W, D]
-            vb = v[b, keys].double().transpose(0, 1).repeat_interleave(G, dim=0)
-            out[b, t] = F.scaled_dot_product_attention(qt, kb, vb)[:, 0]
-    return out
-
-
 @pytest.mark.parametrize("window", [1, 3, 16, 47, 200], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("T,q_lens", [(1, None), (5, [5, 1, 3]), (7, None)], ids=["decode", "verify", "prefill"])
 def test_sliding_window_matches_the_oracle(backend, window, T, q_lens):
@@ -583,7 +568,7 @@ def test_sliding_window_matches_the_oracle(backend, window, T, q_lens):
     attention over exactly each query's last ``window`` keys."""
     q, k, v, cache_seqlens, q_seqlens = make_inputs(3, T, 2, 2, 64, 48, [48, 20, 7], q_lens)
     out = ragged_attention(q, k, v, cache_seqlens, q_seqlens, sliding_window=window, backend=backend)
-    assert_close(out, windowed_oracle(q, k, v, cache_seqlens, q_seqlens, window))
+    assert_close(out, dense_oracle(q, k, v, cache_seqlens, q_seqlens, window=window))
     if window >= 48:  # a window as long as the cache hides nothing
         assert_close(out, ragged_attention(q, k, v, cache_seqlens, q_seqlens, backend=backend))
 
@@ -605,14 +590,14 @@ def test_triton_sliding_window_reads_only_the_window(split, dtype):
     el = q.element_size()
     minimum = int(visible.sum()) * 3 * 64 * 2 * el + int(q_seqlens.sum()) * 9 * 64 * el + q.numel() * el
     assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
-    assert_close(out, windowed_oracle(q, k, v, cache_seqlens, q_seqlens, window), dtype)
+    assert_close(out, dense_oracle(q, k, v, cache_seqlens, q_seqlens, window=window), dtype)
 
 
 def test_a_plan_is_made_for_one_window():
     q, k, v, cache_seqlens, q_seqlens = make_inputs(2, 3, 2, 2, 64, 32, [32, 9], [3, 2])
     plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=3, max_len=32, sliding_window=8)
     out = ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, sliding_window=8, plan=plan)
-    assert_close(out, windowed_oracle(q, k, v, cache_seqlens, q_seqlens, 8))
+    assert_close(out, dense_oracle(q, k, v, cache_seqlens, q_seqlens, window=8))
     with pytest.raises(ValueError, match="plan was made for sliding_window=8"):
         ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, plan=plan)
     for bad in (0, -1, 2.5, True):
