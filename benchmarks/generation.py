@@ -23,6 +23,7 @@ Compared side by side in one run, greedy, same weights, same prompts:
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class Setup:
     hf_draft: object  # transformers model with the first DRAFT_LAYERS layers
     tokenizer: object
     cuda_graphs: bool | None = None  # our loops' cuda_graphs= (None: on for CUDA)
+    hf_packed: tuple | None = None  # copies of hf and hf_draft with packed matmuls (`run_ours_on_hf`)
 
 
 def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -121,15 +123,23 @@ def run_ours(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int =
                                 max_new_tokens=max_new_tokens, temperature=0, cuda_graphs=setup.cuda_graphs)
 
 
-def run_ours_on_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4):
+def run_ours_on_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4,
+                   packed: bool = True):
     """Our loops driving the transformers models themselves (`specdec_kernels.HFCausalLM`): greedy
     `generate` (``draft`` None) or `speculative_generate` with prompt lookup or the transformers
-    layer draft (``"layers"``), adaptive lengths as in the package."""
+    layer draft (``"layers"``), adaptive lengths as in the package. ``packed``: on copies of the
+    models whose matmuls `HFCausalLM.pack_weights` prepared (made at the first call), as the
+    built-in model's are; else on the models as loaded (which transformers' own runs use)."""
     ids, mask = encode(setup, batch_size)
+    if packed and setup.hf_packed is None:
+        from specdec_kernels import HFCausalLM
+
+        setup.hf_packed = tuple(HFCausalLM(copy.deepcopy(m)).pack_weights().hf for m in (setup.hf, setup.hf_draft))
+    target, layer_draft = setup.hf_packed if packed else (setup.hf, setup.hf_draft)
     if draft is None:
-        return generate(setup.hf, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
-    drafter = PromptLookupDraft() if draft == "prompt_lookup" else setup.hf_draft
-    return speculative_generate(setup.hf, drafter, ids, mask, num_draft_tokens=k, max_new_tokens=max_new_tokens,
+        return generate(target, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+    drafter = PromptLookupDraft() if draft == "prompt_lookup" else layer_draft
+    return speculative_generate(target, drafter, ids, mask, num_draft_tokens=k, max_new_tokens=max_new_tokens,
                                 temperature=0)
 
 
@@ -306,9 +316,10 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
 def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3,
                     device: str = "cpu", dtype: torch.dtype = torch.float32,
                     random_weights: str | None = None) -> str:
-    """Our loops driving transformers' own SmolLM2 (``LlamaForCausalLM``) against transformers'
-    generation with the same model and draft, the built-in `Llama` beside them; every method
-    ``repeats`` times, interleaved; a markdown table of medians plus the machine line."""
+    """Our loops driving transformers' own SmolLM2 (``LlamaForCausalLM``; matmuls prepared by
+    `HFCausalLM.pack_weights`, and once as loaded) against transformers' generation with the same
+    model and draft, the built-in `Llama` beside them; every method ``repeats`` times,
+    interleaved; a markdown table of medians plus the machine line."""
     from benchmarks.timing import machine_line
 
     torch.manual_seed(0)
@@ -316,7 +327,9 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
     cuda = torch.device(device).type == "cuda"
     rows = []
     for B in batch_sizes:
+        unpacked = lambda setup, B, n, draft, k: run_ours_on_hf(setup, B, n, draft, k, packed=False)  # noqa: E731
         methods = {"HF generate": (run_hf, None), "ours generate, HF model": (run_ours_on_hf, None),
+                   "ours generate, HF model as loaded (no pack_weights)": (unpacked, None),
                    "ours generate, built-in Llama": (run_ours, None),
                    "HF assisted, prompt lookup": (run_hf, "prompt_lookup"),
                    "ours spec, HF model, prompt lookup": (run_ours_on_hf, "prompt_lookup"),
@@ -341,9 +354,9 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
             rows.append(f"| {B} | {name} | {value:.1f} | {value / against:.2f}x |")
     header = "| batch | method | tokens/s | vs transformers, same model and draft |\n|---|---|---|---|"
     weights = "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
-    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device} as transformers' LlamaForCausalLM, "
-            f"greedy, {max_new_tokens} new tokens per row, K = {k} (ours: adaptive lengths), median of {repeats} "
-            f"interleaved runs; transformers' assisted generation takes one row per call (batch 8 loops over rows)\n"
+    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device} as transformers' LlamaForCausalLM "
+            f"(ours: after HFCausalLM.pack_weights() unless noted), greedy, {max_new_tokens} new tokens per row, "
+            f"K = {k} (ours: adaptive lengths), median of {repeats} interleaved runs; transformers' assisted generation takes one row per call (batch 8 loops over rows)\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from ._checks import is_int
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
+from .matmul import Linear, MatmulPlan, measured_matmul_plan
 from .model import positions_read
 
 #: ``config.model_type`` of the families checked logit for logit against transformers.
@@ -135,6 +136,7 @@ class HFCausalLM(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.max_positions = getattr(config, _LEARNED_POSITIONS[model_type]) if model_type in _LEARNED_POSITIONS \
             else None
+        self._replaced: list[tuple[nn.Module, str, nn.Linear]] = []  # layers `pack_weights` replaced
 
     @property
     def vocab_size(self) -> int:
@@ -185,6 +187,47 @@ class HFCausalLM(nn.Module):
         cache.advance(T if q_seqlens is None else q_seqlens)
         return out.logits
 
+    def pack_weights(self, enable: bool = True, *, plan: MatmulPlan | None = None) -> HFCausalLM:
+        """Compute the model's ``nn.Linear`` layers (projections and LM head) in the matmul forms
+        this machine runs fastest, as `Llama.pack_weights` does for the built-in model (CPU
+        float32; the plan is measured once per machine and weight shapes, or ``plan=``).
+
+        Each ``nn.Linear`` is replaced, in the transformers model itself, by a
+        `specdec_kernels.matmul.Linear` holding the same weight and bias parameters (ties kept),
+        stored in the plan's layout; transformers' own forward and ``generate`` then use them too.
+        ``enable=False`` puts the original layers back and stores the weights row-major again
+        (do that before ``save_pretrained``: input-major weights are not contiguous). Other layer
+        types (GPT-2's ``Conv1D``) stay as they are. Not while the model runs in another thread.
+
+        Returns:
+            self.
+
+        Raises:
+            ValueError: a weight is not a CPU float32 tensor.
+        """
+        if not enable:
+            for parent, name, original in self._replaced:
+                getattr(parent, name).unpack()
+                setattr(parent, name, original)
+            self._replaced = []
+            return self
+        if not self._replaced:
+            for parent_name, parent in list(self.hf.named_modules()):
+                for name, child in list(parent.named_children()):
+                    if type(child) is nn.Linear:
+                        if child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
+                            raise ValueError(f"{parent_name}.{name}: packing needs a CPU float32 weight, got "
+                                             f"{child.weight.dtype} on {child.weight.device}")
+                        self._replaced.append((parent, name, child))
+            for parent, name, child in self._replaced:
+                setattr(parent, name, _PlannedLinear(child))
+        layers = [getattr(parent, name) for parent, name, _ in self._replaced]
+        if plan is None:
+            plan = measured_matmul_plan(_matmul_sample([layer.weight for layer in layers]))
+        for layer in layers:
+            layer.pack(plan)
+        return self
+
     @contextlib.contextmanager
     def _implementation(self) -> Iterator[None]:
         """The model's attention routed to ``"specdec_ragged"`` for one call (not thread-safe:
@@ -215,3 +258,34 @@ class HFCausalLM(nn.Module):
             yield
         finally:
             handle.remove()
+
+
+class _PlannedLinear(Linear):
+    """A transformers ``nn.Linear`` computed by the package's `Linear`: the same weight and bias
+    parameters, the bias added after the planned product."""
+
+    def __init__(self, original: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = original.in_features, original.out_features
+        self.weight, self.bias = original.weight, original.bias
+        self.plan, self._packed = None, {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out if self.bias is None else out + self.bias
+
+
+def _matmul_sample(weights: list[torch.Tensor], budget: int = 256 << 20) -> list[torch.Tensor]:
+    """The weights to time the matmul forms on: the first ones in forward order, about ``budget``
+    bytes, then the LM head (the last; its first rows when it holds more than half of
+    ``budget``), as `Llama.pack_weights` samples its own."""
+    head = weights[-1]
+    row_bytes = head.shape[1] * head.element_size()
+    head = head[: max(1, min(head.shape[0], budget // 2 // row_bytes))]
+    sample, size = [], head.shape[0] * row_bytes
+    for weight in weights[:-1]:
+        if size >= budget:
+            break
+        sample.append(weight)
+        size += weight.numel() * weight.element_size()
+    return [*sample, head]

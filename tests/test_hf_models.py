@@ -234,3 +234,34 @@ def test_gemma3_270m_decodes_as_transformers_does():
     assert long.shape[1] == 600
     expected = model.generate(long, max_new_tokens=6, do_sample=False)[:, 600:]
     assert torch.equal(generate(model, long, max_new_tokens=6, temperature=0).tokens, expected)
+
+
+@pytest.mark.parametrize("plan_name", ["mkl_packed", "weight_first"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3"])
+def test_packed_matmuls_keep_the_models_logits_and_come_off_again(family, plan_name):
+    """`HFCausalLM.pack_weights` swaps transformers' ``nn.Linear`` layers (q/k/v biases, fused
+    projections, a tied LM head) for planned ones sharing their parameters: the logits stay
+    within the fp32 tolerance, greedy decoding is unchanged, transformers' own forward runs them
+    too, and ``pack_weights(False)`` puts the original layers back, row-major."""
+    from specdec_kernels.matmul import MKL_PACKED_PLAN, PACKED_FORMS, MatmulPlan
+
+    if plan_name == "mkl_packed" and not PACKED_FORMS["mkl_packed"].available():
+        pytest.skip("this torch build has no MKL packed GEMM")
+    plan = MKL_PACKED_PLAN if plan_name == "mkl_packed" else MatmulPlan(input_major=False,
+                                                                         forms=((1, "weight_first"),))
+    hf = tiny_hf(family, scale=3.0, tie_word_embeddings=True)
+    input_ids, mask = ragged_prompts(B=3, P=9, seed=4)
+    before = generate(hf, input_ids, mask, max_new_tokens=12, temperature=0).tokens
+    with torch.no_grad():
+        logits = hf(input_ids, attention_mask=mask).logits
+    layers = {name: type(m) for name, m in hf.named_modules() if isinstance(m, torch.nn.Linear)}
+    model = HFCausalLM(hf).pack_weights(plan=plan)
+    assert all(m.plan is plan for m in hf.modules() if type(m) is not torch.nn.Linear and hasattr(m, "plan"))
+    assert not any(type(m) is torch.nn.Linear for m in hf.modules())
+    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight  # the tie is kept
+    with torch.no_grad():
+        assert_close(hf(input_ids, attention_mask=mask).logits, logits)
+    assert torch.equal(generate(model, input_ids, mask, max_new_tokens=12, temperature=0).tokens, before)
+    model.pack_weights(False)
+    assert {name: type(m) for name, m in hf.named_modules() if isinstance(m, torch.nn.Linear)} == layers
+    assert all(p.is_contiguous() for p in hf.parameters())
