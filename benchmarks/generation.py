@@ -356,7 +356,8 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
     weights = "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
     return (f"{weights} {str(dtype).removeprefix('torch.')} on {device} as transformers' LlamaForCausalLM "
             f"(ours: after HFCausalLM.pack_weights() unless noted), greedy, {max_new_tokens} new tokens per row, "
-            f"K = {k} (ours: adaptive lengths), median of {repeats} interleaved runs; transformers' assisted generation takes one row per call (batch 8 loops over rows)\n"
+            f"K = {k} (ours: adaptive lengths), median of {repeats} interleaved runs; transformers' assisted "
+            f"generation takes one row per call (batch 8 loops over rows)\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
 
