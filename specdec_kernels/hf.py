@@ -88,9 +88,13 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
+    import transformers
 
-    AttentionInterface.register(_ATTENTION, _attention)
+    if not hasattr(transformers, "AttentionInterface"):
+        raise ImportError(f"HFCausalLM needs transformers' attention-function registry (AttentionInterface), "
+                          f"which transformers {transformers.__version__} lacks: pip install -U transformers "
+                          "(checked with 5.24)")
+    transformers.AttentionInterface.register(_ATTENTION, _attention)
 
 
 _register()
