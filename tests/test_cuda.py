@@ -406,3 +406,17 @@ def test_decoding_steps_synchronize_once_on_cuda(draft_kind, adaptive):
     transfer = [place for place in extra if "generation.py" in place]
     assert len(transfer) == 1 and set(extra) == set(transfer), (short, long)  # only the transfer adds syncs
     assert extra[transfer[0]] % (long_steps - short_steps) == 0, (short, long)  # the same number every step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("window", [1, 7, 100, 5000], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("T,q_lens", [(1, None), (5, [5, 1, 3, 2])], ids=["decode", "verify"])
+def test_sliding_window_attention_on_cuda(window, T, q_lens, dtype):
+    """The compiled kernel with a sliding window (each row's splits start at its first query's
+    window) against the CPU reference: short windows, windows inside long rows, and one longer
+    than the cache; NaN beyond every length."""
+    from test_attention import dense_oracle
+
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(4, T, 3, 2, 64, 3000, [3000, 1200, 9, 700], q_lens, dtype)
+    out = ragged_attention(*cuda(q, k, v, cache_seqlens, q_seqlens), sliding_window=window, backend="triton")
+    assert_close(out, dense_oracle(q, k, v, cache_seqlens, q_seqlens, window=window), dtype)
