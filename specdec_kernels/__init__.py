@@ -39,7 +39,6 @@ __all__ = [
     "Drafter",
     "GenerationOutput",
     "GenerationStats",
-    "HFCausalLM",
     "Llama",
     "LlamaConfig",
     "MatmulPlan",

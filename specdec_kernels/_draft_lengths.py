@@ -18,8 +18,10 @@ Every estimate is forgotten exponentially, step by step (acceptance slowly, `DEC
 fast, `COST_DECAY`, so that a slow start or a change of load soon stops counting), so it
 follows the text as it changes; a row whose drafts kept failing also drifts back to the prior
 (rates of 1/2) and is probed again with one draft token, after enough plain steps that the
-probes cost little. Before costs are measured the first two steps draft one token per row
-(the first step's times are not used: it pays one-time costs) and the third none.
+probes cost little. Before costs are measured, steps draft one token per row until a drafting
+step has been timed (the first step's times are not used: it pays one-time costs; nor are a
+step's that ran a CUDA-graph shape eagerly or recorded it), then decode plainly until a second
+token count has been timed.
 
 The estimates live on the host: what they need (accepted counts, draft counts, phase times)
 arrives in the loop's one transfer per step, so choosing adds no synchronization.

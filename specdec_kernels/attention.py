@@ -217,13 +217,13 @@ class RaggedAttentionPlan:
         if cache_seqlens is not self.cache_seqlens or q_seqlens is not self.q_seqlens:
             raise ValueError("plan was made for other cache_seqlens / q_seqlens tensors: pass "
                              "plan.cache_seqlens and plan.q_seqlens")
+        if (T, Lmax) != (self.num_queries, self.max_len):
+            raise ValueError(f"plan was made for T={self.num_queries}, Lmax={self.max_len}; "
+                             f"got q with T={T} and a cache with Lmax={Lmax}")
         window = sliding_window if sliding_window is not None and sliding_window < Lmax else None
         if window != self.sliding_window:
             raise ValueError(f"plan was made for sliding_window={self.sliding_window}; the call has "
                              f"sliding_window={sliding_window}")
-        if (T, Lmax) != (self.num_queries, self.max_len):
-            raise ValueError(f"plan was made for T={self.num_queries}, Lmax={self.max_len}; "
-                             f"got q with T={T} and a cache with Lmax={Lmax}")
 
     def torch_masks(self) -> TorchMasks:
         """The CPU path's score masks (`TorchMasks`), built on the first call."""

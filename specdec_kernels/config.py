@@ -88,6 +88,8 @@ class LlamaConfig:
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (the built-in Llama uses silu)")
         if d.get("num_key_value_heads") is None and "num_attention_heads" in d:
             d = {**d, "num_key_value_heads": d["num_attention_heads"]}
+        if d.get("model_type", "llama") != "mistral":  # transformers' Llama has no window, whatever the field says
+            d = {k: v for k, v in d.items() if k != "sliding_window"}
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in d]
         if missing:
             raise ValueError(f"{', '.join(missing)} missing: a Llama config gives the model's sizes (vocab_size, "

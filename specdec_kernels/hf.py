@@ -51,14 +51,15 @@ class _Pass:
     cache_seqlens: torch.Tensor
     q_seqlens: torch.Tensor | None
     num_queries: int
-    positions: int  # positions of each row attention reads
+    max_len: int  # positions of each row attention reads
     min_seqlen: int | None
     plans: dict = field(default_factory=dict)
+    calls: int = 0  # attention calls made (one per layer, when the model routes them here)
 
     def plan(self, sliding_window: int | None) -> RaggedAttentionPlan:
         if sliding_window not in self.plans:
             self.plans[sliding_window] = RaggedAttentionPlan(
-                self.cache_seqlens, self.q_seqlens, num_queries=self.num_queries, max_len=self.positions,
+                self.cache_seqlens, self.q_seqlens, num_queries=self.num_queries, max_len=self.max_len,
                 min_seqlen=self.min_seqlen, sliding_window=sliding_window)
         return self.plans[sliding_window]
 
@@ -78,6 +79,10 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                          "does not compute")
     if s_aux is not None:
         raise ValueError(f"{name} uses attention sinks, which ragged_attention does not compute")
+    if dropout:
+        raise ValueError(f"{name} applies attention dropout ({dropout}): the model is in training mode; call "
+                         "model.eval() for decoding")
+    specdec_pass.calls += 1
     plan = specdec_pass.plan(sliding_window)
     layer, cache = module.layer_idx, specdec_pass.cache
     cache.append(layer, key.transpose(1, 2), value.transpose(1, 2), plan=specdec_pass.append)
@@ -188,6 +193,10 @@ class HFCausalLM(nn.Module):
             out = self.hf(input_ids=input_ids, position_ids=positions, use_cache=False,
                           logits_to_keep=1 if last_only and not ragged_last else 0,
                           specdec_pass=attention)
+        if attention.calls != self.num_layers:  # the model chose its attention some other way
+            raise RuntimeError(f"{type(self.hf).__name__} ran {attention.calls} of its {self.num_layers} attention "
+                               f"layers through {_ATTENTION!r}: this transformers version routes attention "
+                               "otherwise; its logits would not use the cache")
         cache.advance(T if q_seqlens is None else q_seqlens)
         return out.logits
 
@@ -216,15 +225,15 @@ class HFCausalLM(nn.Module):
             self._replaced = []
             return self
         if not self._replaced:
-            for parent_name, parent in list(self.hf.named_modules()):
-                for name, child in list(parent.named_children()):
-                    if type(child) is nn.Linear:
-                        if child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
-                            raise ValueError(f"{parent_name}.{name}: packing needs a CPU float32 weight, got "
-                                             f"{child.weight.dtype} on {child.weight.device}")
-                        self._replaced.append((parent, name, child))
-            for parent, name, child in self._replaced:
+            found = [(parent_name, parent, name, child) for parent_name, parent in self.hf.named_modules()
+                     for name, child in parent.named_children() if type(child) is nn.Linear]
+            for parent_name, _, name, child in found:  # every weight checked before any layer changes
+                if child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
+                    raise ValueError(f"{parent_name}.{name}: packing needs a CPU float32 weight, got "
+                                     f"{child.weight.dtype} on {child.weight.device}")
+            for _, parent, name, child in found:
                 setattr(parent, name, _PlannedLinear(child))
+                self._replaced.append((parent, name, child))
         layers = [getattr(parent, name) for parent, name, _ in self._replaced]
         if plan is None:
             plan = measured_matmul_plan(_matmul_sample([layer.weight for layer in layers]))

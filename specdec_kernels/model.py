@@ -475,12 +475,16 @@ class Llama(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
     def save_pretrained(self, folder: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` in the Hugging Face Llama layout."""
+        """Write ``config.json`` and ``model.safetensors`` in the Hugging Face Llama layout (as a
+        Mistral config when the model has a sliding window)."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        config = {**asdict(self.config), "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+        # A window is Mistral's (transformers' Llama would ignore it and attend to every position).
+        model_type, architecture = (("mistral", "MistralForCausalLM") if self.config.sliding_window is not None
+                                    else ("llama", "LlamaForCausalLM"))
+        config = {**asdict(self.config), "model_type": model_type, "architectures": [architecture]}
         (folder / "config.json").write_text(json.dumps(config, indent=2))
         state = internal_to_hf(self.state_dict(), self.config)
         save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))

@@ -304,8 +304,7 @@ def load_gemma3_270m(*, dtype: torch.dtype = torch.float32, device: torch.device
 
     A second family for the decoding functions, which run transformers' code on the package's
     cache (`specdec_kernels.HFCausalLM`): 18 layers, local layers with a 512-position sliding
-    window between global ones, vocabulary 262144. A row's cache (prompt, new tokens and one
-    step's drafts) must stay within 512 positions: longer ones are refused.
+    window between global ones, vocabulary 262144.
 
     Returns:
         ``(model, tokenizer)``: a ``Gemma3ForCausalLM`` in eval mode on ``device`` in ``dtype``,

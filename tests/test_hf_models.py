@@ -265,3 +265,32 @@ def test_packed_matmuls_keep_the_models_logits_and_come_off_again(family, plan_n
     model.pack_weights(False)
     assert {name: type(m) for name, m in hf.named_modules() if isinstance(m, torch.nn.Linear)} == layers
     assert all(p.is_contiguous() for p in hf.parameters())
+
+
+def test_attention_not_routed_through_the_cache_is_an_error():
+    """A layer whose attention does not reach the package's implementation (here: a layer reading
+    its own copy of the config) would compute without the cache: refused, not returned."""
+    import copy
+
+    hf = tiny_hf("llama")
+    hf.model.layers[1].self_attn.config = copy.deepcopy(hf.config)
+    ids, _ = ragged_prompts(B=2)
+    with pytest.raises(RuntimeError, match="ran 1 of its 2 attention layers"):
+        generate(hf, ids, max_new_tokens=2)
+
+
+def test_a_model_in_training_mode_with_attention_dropout_is_refused():
+    hf = tiny_hf("qwen2", attention_dropout=0.1).train()
+    ids, _ = ragged_prompts(B=2)
+    with pytest.raises(ValueError, match="attention dropout"):
+        generate(hf, ids, max_new_tokens=2)
+
+
+def test_pack_weights_changes_nothing_when_a_weight_cannot_be_packed():
+    from specdec_kernels.matmul import MatmulPlan
+
+    hf = tiny_hf("llama")
+    hf.model.layers[1].mlp.down_proj.double()
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj: packing needs a CPU float32 weight"):
+        HFCausalLM(hf).pack_weights(plan=MatmulPlan(input_major=False, forms=((1, "weight_first"),)))
+    assert all(type(m) is torch.nn.Linear for m in hf.modules() if isinstance(m, torch.nn.Linear))

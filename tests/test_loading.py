@@ -79,7 +79,7 @@ CONFIG_CASES = {
                                                  "high_freq_factor": 4.0,
                                                  "original_max_position_embeddings": 64}),
                               ValueError, "rope_scaling of type 'llama3' needs 'factor'"),
-    "window-str": (dict(sliding_window="16"), TypeError, "sliding_window must be a positive int"),
+    "window-str": (dict(model_type="mistral", sliding_window="16"), TypeError, "sliding_window must be a positive int"),
 }
 
 

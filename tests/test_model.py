@@ -1,5 +1,7 @@
 """The built-in Llama matches transformers' LlamaForCausalLM on the same weights."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -895,3 +897,16 @@ def test_cpu_seconds_elsewhere_counts_other_processes(monkeypatch):
     assert child >= 0.5 and after - before >= child - 0.05  # clock ticks: 10 ms apart
     monkeypatch.setattr(matmul, "open", lambda *args: open("/nonexistent/stat"), raising=False)
     assert cpu_seconds_elsewhere() is None
+
+
+def test_a_windowed_model_saves_as_mistral(tmp_path):
+    """A model with a sliding window saves as a Mistral config (transformers' Llama would attend to
+    every position) and loads back with its window; a Llama config's stray sliding_window field
+    is ignored, as transformers' Llama ignores it."""
+    config = tiny_llama(seed=0, sliding_window=8).config
+    Llama(config).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "mistral" and saved["architectures"] == ["MistralForCausalLM"]
+    assert Llama.from_pretrained(tmp_path).config.sliding_window == 8
+    assert transformers.AutoConfig.from_pretrained(tmp_path).sliding_window == 8
+    assert LlamaConfig.from_hf({**saved, "model_type": "llama"}).sliding_window is None
