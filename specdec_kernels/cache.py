@@ -20,6 +20,7 @@ boolean mask, whose result size depends on the mask's values.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,11 @@ def _append_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Ten
 _APPEND = Dispatch(reference=_append_torch, torch=_append_torch, triton="specdec_kernels.kernels.cache:append_triton")
 
 
+class CacheAllocationError(ValueError, MemoryError):
+    """The cache's buffers could not be allocated (a ValueError naming the sizes; also a
+    MemoryError, as the refusal it stands for)."""
+
+
 class KVCache:
     """Per-layer K/V buffers plus one length per row; appends, crops and row selection in place.
 
@@ -111,8 +117,14 @@ class KVCache:
         # Head-major storage [B, Hkv, max_len, D]: each (row, head) block of keys and values is
         # contiguous, so attention streams it instead of striding over the other heads.
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self._k_heads = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._v_heads = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        try:
+            self._k_heads = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            self._v_heads = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        except (RuntimeError, MemoryError, OverflowError) as e:  # out of memory, or a size past torch's count
+            gib = 2 * num_layers * math.prod(shape) * torch.empty(0, dtype=dtype).element_size() / 2**30
+            raise CacheAllocationError(f"a KV cache of {batch_size} rows x max_len={max_len} positions needs "
+                                       f"{gib:.3g} GiB on {self.device}, which could not be allocated; lower "
+                                       f"batch_size or max_len ({type(e).__name__}: {e})") from e
         self._expose()
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
         self.version = 0  # bumped whenever lengths or rows change: an append plan is valid for one version

@@ -302,3 +302,12 @@ def test_append_plan_errors():
         change()  # even a change that moves nothing retires the plan
         with pytest.raises(ValueError, match="before its lengths or rows changed"):
             cache.append(0, k_new, k_new, plan=plan)
+
+
+def test_a_cache_too_large_to_allocate_names_its_size():
+    """The allocator's refusal becomes an error naming the sizes (a ValueError, and a MemoryError)."""
+    from specdec_kernels.cache import CacheAllocationError
+
+    with pytest.raises(CacheAllocationError, match=r"3 rows x max_len=1000000000000 positions needs .* GiB"):
+        KVCache(2, 3, 10**12, 2, 16)
+    assert issubclass(CacheAllocationError, ValueError) and issubclass(CacheAllocationError, MemoryError)
