@@ -228,7 +228,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
                         f"{quantities} | {eff} |")
     header = ("| batch | method | tokens/s | vs ours generate | vs HF generate | acceptance | "
               "measured c, v, decoding-phase speedup | efficiency |\n|---|---|---|---|---|---|---|---|")
-    weights = "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
+    weights = _weights_name(random_weights)
     return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
             f"{max_new_tokens} new tokens per row, K = {k}, "
             f"median of {repeats} interleaved runs, our matmuls: {plan.describe() if plan else 'as loaded'}"
@@ -244,6 +244,11 @@ def leviathan(st, k: int, plain) -> tuple[float, float]:
     c = st.time_draft_s / (int(st.num_steps.max()) * k) / target_step
     predicted = predicted_speedup(st.acceptance_rate, k, c, v)
     return predicted, decode_tokens_per_second(st) / decode_tokens_per_second(plain) / predicted
+
+
+def _weights_name(random_weights: str | None) -> str:
+    """What a table's title calls the weights it ran."""
+    return "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
 
 
 def _timed(setup: Setup, fn, *args) -> tuple[float, object]:
@@ -307,7 +312,7 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
     header = ("| batch | draft | K | fixed K vs plain | adaptive vs plain | adaptive keeps of fixed K's gain | "
               "of best fixed K's gain | acceptance (fixed) | predicted (fixed) | efficiency (fixed) | "
               "adaptive mean draft length |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    weights = "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
+    weights = _weights_name(random_weights)
     return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} "
             f"new tokens per row, median of {repeats} interleaved runs, layer draft: the first {DRAFT_LAYERS} "
             f"of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
@@ -324,7 +329,6 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
 
     torch.manual_seed(0)
     setup = load_setup(True, device, dtype, random_weights)
-    cuda = torch.device(device).type == "cuda"
     rows = []
     for B in batch_sizes:
         unpacked = lambda setup, B, n, draft, k: run_ours_on_hf(setup, B, n, draft, k, packed=False)  # noqa: E731
@@ -340,12 +344,9 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
         runs = {name: [] for name in methods}
         for _ in range(repeats):
             for name, (fn, draft) in methods.items():
-                t0 = time.perf_counter()
-                out = fn(setup, B, max_new_tokens, draft, k)
-                if cuda:
-                    torch.cuda.synchronize(device)
+                seconds, out = _timed(setup, fn, B, max_new_tokens, draft, k)
                 tokens = out if isinstance(out, int) else int(out.stats.num_generated.sum())
-                runs[name].append(tokens / (time.perf_counter() - t0))
+                runs[name].append(tokens / seconds)
         tps = {name: sorted(r)[len(r) // 2] for name, r in runs.items()}
         baseline = {"generate": tps["HF generate"], "prompt lookup": tps["HF assisted, prompt lookup"],
                     "layer": tps[f"HF assisted, HF {DRAFT_LAYERS}-layer draft"]}
@@ -353,7 +354,7 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
             against = next(base for key, base in baseline.items() if key in name)
             rows.append(f"| {B} | {name} | {value:.1f} | {value / against:.2f}x |")
     header = "| batch | method | tokens/s | vs transformers, same model and draft |\n|---|---|---|---|"
-    weights = "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
+    weights = _weights_name(random_weights)
     return (f"{weights} {str(dtype).removeprefix('torch.')} on {device} as transformers' LlamaForCausalLM "
             f"(ours: after HFCausalLM.pack_weights() unless noted), greedy, {max_new_tokens} new tokens per row, "
             f"K = {k} (ours: adaptive lengths), median of {repeats} interleaved runs; transformers' assisted "

@@ -199,8 +199,7 @@ class RaggedAttentionPlan:
         self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
         self.min_seqlen = min_seqlen or 0  # positions below it hold keys in every row
-        # A window at least as long as the cache view hides nothing: no window then.
-        self.sliding_window = sliding_window if sliding_window is not None and sliding_window < max_len else None
+        self.sliding_window = _hiding_window(sliding_window, max_len)
         self._masks: TorchMasks | None = None
         self._value_keep: torch.Tensor | None = None
 
@@ -220,8 +219,7 @@ class RaggedAttentionPlan:
         if (T, Lmax) != (self.num_queries, self.max_len):
             raise ValueError(f"plan was made for T={self.num_queries}, Lmax={self.max_len}; "
                              f"got q with T={T} and a cache with Lmax={Lmax}")
-        window = sliding_window if sliding_window is not None and sliding_window < Lmax else None
-        if window != self.sliding_window:
+        if _hiding_window(sliding_window, Lmax) != self.sliding_window:
             raise ValueError(f"plan was made for sliding_window={self.sliding_window}; the call has "
                              f"sliding_window={sliding_window}")
 
@@ -446,6 +444,11 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return _RAGGED_ATTENTION[backend](q, k_cache, v_cache, cache_seqlens, q_seqlens, scale=scale,
                                       sliding_window=plan.sliding_window, plan=plan)
+
+
+def _hiding_window(sliding_window: int | None, max_len: int) -> int | None:
+    """The window, or None where it hides nothing (at least as long as the cache view)."""
+    return sliding_window if sliding_window is not None and sliding_window < max_len else None
 
 
 def _check_sliding_window(sliding_window) -> None:

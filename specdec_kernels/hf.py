@@ -31,7 +31,7 @@ from torch import nn
 from ._checks import is_int
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
-from .matmul import Linear, MatmulPlan, measured_matmul_plan
+from .matmul import Linear, MatmulPlan, matmul_sample, measured_matmul_plan
 from .model import positions_read
 
 #: ``config.model_type`` of the families checked logit for logit against transformers.
@@ -236,7 +236,9 @@ class HFCausalLM(nn.Module):
                 self._replaced.append((parent, name, child))
         layers = [getattr(parent, name) for parent, name, _ in self._replaced]
         if plan is None:
-            plan = measured_matmul_plan(_matmul_sample([layer.weight for layer in layers]))
+            # The LM head comes last in module order; each other layer is a group of its own.
+            *projections, head = (layer.weight for layer in layers)
+            plan = measured_matmul_plan(matmul_sample([[w] for w in projections], head))
         for layer in layers:
             layer.pack(plan)
         return self
@@ -286,19 +288,3 @@ class _PlannedLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
         return out if self.bias is None else out + self.bias
-
-
-def _matmul_sample(weights: list[torch.Tensor], budget: int = 256 << 20) -> list[torch.Tensor]:
-    """The weights to time the matmul forms on: the first ones in forward order, about ``budget``
-    bytes, then the LM head (the last; its first rows when it holds more than half of
-    ``budget``), as `Llama.pack_weights` samples its own."""
-    head = weights[-1]
-    row_bytes = head.shape[1] * head.element_size()
-    head = head[: max(1, min(head.shape[0], budget // 2 // row_bytes))]
-    sample, size = [], head.shape[0] * row_bytes
-    for weight in weights[:-1]:
-        if size >= budget:
-            break
-        sample.append(weight)
-        size += weight.numel() * weight.element_size()
-    return [*sample, head]

@@ -403,6 +403,23 @@ def _store_plan(path: Path, key: str, plan: MatmulPlan) -> None:
         pass
 
 
+def matmul_sample(groups: Sequence[Sequence[torch.Tensor]], head: torch.Tensor,
+                  budget: int = 256 << 20) -> list[torch.Tensor]:
+    """Weights to time the matmul forms on (`measured_matmul_plan`): whole ``groups`` (a layer's
+    weights, in forward order) until about ``budget`` bytes (more than a CPU's last-level cache,
+    so that they stream from memory as in decoding), then the LM ``head`` (its first rows when it
+    holds more than half of ``budget``); all of them in a smaller model."""
+    row_bytes = head.shape[1] * head.element_size()
+    head = head[: max(1, min(head.shape[0], budget // 2 // row_bytes))]
+    weights, size = [], head.shape[0] * row_bytes
+    for group in groups:
+        weights += group
+        size += sum(w.numel() * w.element_size() for w in group)
+        if size >= budget:
+            break
+    return [*weights, head]
+
+
 def measured_matmul_plan(weights: Sequence[torch.Tensor]) -> MatmulPlan:
     """The `MatmulPlan` for weights of these shapes on this machine, under this number of torch
     threads: the one stored in `plans_file` if a process stored one, else `measure_matmul_plan`'s,

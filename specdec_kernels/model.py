@@ -31,7 +31,7 @@ from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
 from .checkpoint import check_hf_state, hf_to_internal, internal_to_hf, read_hf_folder
 from .config import LlamaConfig
-from .matmul import Linear, MatmulPlan, measured_matmul_plan
+from .matmul import Linear, MatmulPlan, matmul_sample, measured_matmul_plan
 
 
 class RMSNorm(nn.Module):
@@ -406,22 +406,11 @@ class Llama(nn.Module):
                 layer.pack(plan)
         return self
 
-    def _matmul_sample(self, budget: int = 256 << 20) -> list[torch.Tensor]:
-        """Weights to time the matmul forms on (`pack_weights`): the first layers' and the LM
-        head's (its first rows when it holds more than half of ``budget``), in forward order,
-        about ``budget`` bytes (more than a CPU's last-level cache, so that they stream from
-        memory as in decoding), or all of them in a smaller model."""
-        head = self.output.weight
-        row_bytes = head.shape[1] * head.element_size()
-        head = head[: max(1, min(head.shape[0], budget // 2 // row_bytes))]
-        weights, size = [], head.shape[0] * row_bytes
-        for layer in self.layers:
-            layer_weights = [m.weight for m in layer.modules() if isinstance(m, Linear)]
-            weights += layer_weights
-            size += sum(w.numel() * w.element_size() for w in layer_weights)
-            if size >= budget:
-                break
-        return [*weights, head]
+    def _matmul_sample(self) -> list[torch.Tensor]:
+        """Weights to time the matmul forms on (`pack_weights`): the first layers' and the LM head's
+        (`specdec_kernels.matmul.matmul_sample`)."""
+        layers = [[m.weight for m in layer.modules() if isinstance(m, Linear)] for layer in self.layers]
+        return matmul_sample(layers, self.output.weight)
 
     # ----------------------------------------------------------------- loading Hugging Face weights
 
