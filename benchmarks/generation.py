@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import time
 from dataclasses import dataclass
 
@@ -128,19 +129,19 @@ def run_ours_on_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: st
     """Our loops driving the transformers models themselves (`specdec_kernels.HFCausalLM`): greedy
     `generate` (``draft`` None) or `speculative_generate` with prompt lookup or the transformers
     layer draft (``"layers"``), adaptive lengths as in the package. ``packed``: on copies of the
-    models whose matmuls `HFCausalLM.pack_weights` prepared (made at the first call), as the
-    built-in model's are; else on the models as loaded (which transformers' own runs use)."""
+    models whose matmuls `HFCausalLM.pack_weights` prepared (made at the first call; CPU float32
+    only), as the built-in model's are; else on the models as loaded (which transformers' own runs use)."""
     ids, mask = encode(setup, batch_size)
     if packed and setup.hf_packed is None:
         from specdec_kernels import HFCausalLM
 
         setup.hf_packed = tuple(HFCausalLM(copy.deepcopy(m)).pack_weights().hf for m in (setup.hf, setup.hf_draft))
     target, layer_draft = setup.hf_packed if packed else (setup.hf, setup.hf_draft)
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=0, cuda_graphs=setup.cuda_graphs)
     if draft is None:
-        return generate(target, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+        return generate(target, ids, mask, **kwargs)
     drafter = PromptLookupDraft() if draft == "prompt_lookup" else layer_draft
-    return speculative_generate(target, drafter, ids, mask, num_draft_tokens=k, max_new_tokens=max_new_tokens,
-                                temperature=0)
+    return speculative_generate(target, drafter, ids, mask, num_draft_tokens=k, **kwargs)
 
 
 def run_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4) -> int:
@@ -320,25 +321,29 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
 
 def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3,
                     device: str = "cpu", dtype: torch.dtype = torch.float32,
-                    random_weights: str | None = None) -> str:
-    """Our loops driving transformers' own SmolLM2 (``LlamaForCausalLM``; matmuls prepared by
-    `HFCausalLM.pack_weights`, and once as loaded) against transformers' generation with the same
-    model and draft, the built-in `Llama` beside them; every method ``repeats`` times,
-    interleaved; a markdown table of medians plus the machine line."""
+                    cuda_graphs: bool = True, random_weights: str | None = None) -> str:
+    """Our loops driving transformers' own SmolLM2 (``LlamaForCausalLM``; on CPU float32 with
+    matmuls prepared by `HFCausalLM.pack_weights`, and once as loaded) against transformers'
+    generation with the same model and draft, the built-in `Llama` beside them; every method
+    ``repeats`` times, interleaved; a markdown table of medians plus the machine line.
+    ``cuda_graphs``: our loops replay their decoding forwards as CUDA graphs (on CUDA)."""
     from benchmarks.timing import machine_line
 
     torch.manual_seed(0)
     setup = load_setup(True, device, dtype, random_weights)
+    setup.cuda_graphs = None if cuda_graphs else False
+    packs = device == "cpu" and dtype == torch.float32  # what HFCausalLM.pack_weights takes
+    ours_on_hf = functools.partial(run_ours_on_hf, packed=packs)
+    unpacked = functools.partial(run_ours_on_hf, packed=False)
     rows = []
     for B in batch_sizes:
-        unpacked = lambda setup, B, n, draft, k: run_ours_on_hf(setup, B, n, draft, k, packed=False)  # noqa: E731
-        methods = {"HF generate": (run_hf, None), "ours generate, HF model": (run_ours_on_hf, None),
-                   "ours generate, HF model as loaded (no pack_weights)": (unpacked, None),
+        methods = {"HF generate": (run_hf, None), "ours generate, HF model": (ours_on_hf, None),
+                   **({"ours generate, HF model as loaded (no pack_weights)": (unpacked, None)} if packs else {}),
                    "ours generate, built-in Llama": (run_ours, None),
                    "HF assisted, prompt lookup": (run_hf, "prompt_lookup"),
-                   "ours spec, HF model, prompt lookup": (run_ours_on_hf, "prompt_lookup"),
+                   "ours spec, HF model, prompt lookup": (ours_on_hf, "prompt_lookup"),
                    f"HF assisted, HF {DRAFT_LAYERS}-layer draft": (run_hf, "layers"),
-                   f"ours spec, HF model, HF {DRAFT_LAYERS}-layer draft": (run_ours_on_hf, "layers")}
+                   f"ours spec, HF model, HF {DRAFT_LAYERS}-layer draft": (ours_on_hf, "layers")}
         for fn, draft in methods.values():
             fn(setup, B, 4, draft, k)  # warm-up
         runs = {name: [] for name in methods}
@@ -355,8 +360,10 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
             rows.append(f"| {B} | {name} | {value:.1f} | {value / against:.2f}x |")
     header = "| batch | method | tokens/s | vs transformers, same model and draft |\n|---|---|---|---|"
     weights = _weights_name(random_weights)
+    prepared = "after HFCausalLM.pack_weights() unless noted" if packs else "as loaded"
+    graphs = (", CUDA graphs" if cuda_graphs else ", eager") if device != "cpu" else ""
     return (f"{weights} {str(dtype).removeprefix('torch.')} on {device} as transformers' LlamaForCausalLM "
-            f"(ours: after HFCausalLM.pack_weights() unless noted), greedy, {max_new_tokens} new tokens per row, "
+            f"(ours: {prepared}{graphs}), greedy, {max_new_tokens} new tokens per row, "
             f"K = {k} (ours: adaptive lengths), median of {repeats} interleaved runs; transformers' assisted "
             f"generation takes one row per call (batch 8 loops over rows)\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
@@ -384,7 +391,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.hf_models:
         print(hf_models_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, device=args.device,
-                              dtype=getattr(torch, args.dtype), random_weights=args.random_weights))
+                              dtype=getattr(torch, args.dtype), cuda_graphs=not args.no_cuda_graphs,
+                              random_weights=args.random_weights))
         raise SystemExit(0)
     if args.speculation:
         print(speculation_table(args.max_new_tokens, tuple(args.batch_sizes), tuple(args.ks), args.repeats,

@@ -420,3 +420,89 @@ def test_sliding_window_attention_on_cuda(window, T, q_lens, dtype):
     q, k, v, cache_seqlens, q_seqlens = make_inputs(4, T, 3, 2, 64, 3000, [3000, 1200, 9, 700], q_lens, dtype)
     out = ragged_attention(*cuda(q, k, v, cache_seqlens, q_seqlens), sliding_window=window, backend="triton")
     assert_close(out, dense_oracle(q, k, v, cache_seqlens, q_seqlens, window=window), dtype)
+
+
+# ---- transformers models on CUDA ----
+
+
+def _hf_family_cases():
+    transformers_available = __import__("importlib").util.find_spec("transformers") is not None
+    if not transformers_available:
+        return [pytest.param(None, None, marks=pytest.mark.skip(reason="needs transformers"))]
+    from test_hf_models import FAMILIES
+
+    return FAMILIES
+
+
+@pytest.mark.parametrize("family, overrides", _hf_family_cases())
+def test_transformers_models_on_cuda_decode_as_transformers_does(family, overrides):
+    """Every supported transformers family on CUDA through the package's cache and kernels, its
+    decoding forwards replayed as CUDA graphs (the default): greedy `generate`, and
+    `speculative_generate` with a smaller same-family draft (adaptive lengths, the draft graphed
+    too) and with prompt lookup (fixed K), equal transformers' own greedy ``generate`` on the CPU
+    row by row, rows of different lengths and sliding windows included (a first difference only
+    where the CPU logits' top-2 gap is within rounding of CUDA's)."""
+    from test_hf_models import tiny_hf
+
+    from specdec_kernels import HFCausalLM
+
+    hf = tiny_hf(family, scale=3.0, **overrides)
+    draft = tiny_hf(family, seed=5, layers=1, hidden=32, scale=3.0,
+                    **{k: v for k, v in overrides.items() if k != "layer_types"})
+    input_ids, mask = ragged_prompts(B=4, P=9, seed=3)
+    expected = hf.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[:, 9:]
+    on_cpu = HFCausalLM(hf)
+    hf.cuda(), draft.cuda()
+    ids, m = input_ids.cuda(), mask.cuda()
+    runs = {
+        "generate": generate(hf, ids, m, max_new_tokens=16, temperature=0),
+        "model draft": speculative_generate(hf, draft, ids, m, num_draft_tokens=3, max_new_tokens=16,
+                                            temperature=0, adaptive=True),
+        "prompt lookup": speculative_generate(hf, PromptLookupDraft(), ids, m, num_draft_tokens=3,
+                                              max_new_tokens=16, temperature=0, adaptive=False),
+    }
+    hf.cpu()
+    for name, out in runs.items():
+        assert out.tokens.is_cuda, name
+        tokens = out.tokens.cpu()
+        for row in range(4):
+            differ = (tokens[row] != expected[row]).nonzero()
+            if len(differ):
+                assert greedy_divergence_allowed(on_cpu, input_ids, mask, expected, row, int(differ[0]), gap=1e-3), \
+                    f"{family}, {name}, row {row}"
+    assert runs["model draft"].stats.num_proposed.sum() > 0
+
+
+def test_transformers_model_decoding_synchronizes_once_per_step_on_cuda():
+    """A transformers model on CUDA (eager, CUDA's own sync detector): a longer run of
+    `generate` and of adaptive prompt lookup costs exactly the extra steps' transfers."""
+    import collections
+    import warnings
+
+    from test_hf_models import tiny_hf
+
+    hf = tiny_hf("qwen2", scale=3.0).cuda()
+    ids, m = (t.cuda() for t in ragged_prompts(B=4, P=9, seed=8))
+
+    def syncs_and_steps(draft, max_new_tokens: int) -> tuple[collections.Counter, int]:
+        kwargs = dict(max_new_tokens=max_new_tokens, temperature=0, cuda_graphs=False)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = (generate(hf, ids, m, **kwargs) if draft is None else
+                       speculative_generate(hf, draft, ids, m, num_draft_tokens=3, adaptive=True, **kwargs))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        places = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message))
+        return places, int(out.stats.num_steps.max())
+
+    for draft in (None, PromptLookupDraft()):
+        syncs_and_steps(draft, 8)  # compilation and lazy initialization out of the way
+        (short, short_steps), (long, long_steps) = syncs_and_steps(draft, 8), syncs_and_steps(draft, 32)
+        assert long_steps > short_steps
+        extra = long - short
+        transfer = [place for place in extra if "generation.py" in place]
+        assert len(transfer) == 1 and set(extra) == set(transfer), (draft, short, long)
+        assert extra[transfer[0]] % (long_steps - short_steps) == 0, (draft, short, long)
