@@ -421,8 +421,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             max_new_tokens - 1; the newest token is never written).
         cuda_graphs: replay each decoding step as a CUDA graph (`GraphedForward`; recorded at
             a batch size's second step, attention then reads the whole cache capacity). None (default):
-            on CUDA with the built-in `Llama`; True: also for other models whose cache is a
-            `KVCache` (their forward must not synchronize); False: never.
+            on CUDA with the built-in `Llama` and transformers models (`HFCausalLM.capturable`);
+            True: also for other models whose cache is a `KVCache` (their forward must not
+            synchronize); False: never.
         streamer: an object with ``put(token_ids)`` and ``end()``, given the tokens as they are
             generated, a step late (one row: [1, n] tensors, so transformers' ``TextStreamer`` works
             unchanged; B > 1: a list of B tensors [n_b]); ``end()`` once at the end.

@@ -39,6 +39,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2
 #: Learned absolute position embeddings: the cache may not outgrow them.
 _LEARNED_POSITIONS = {"gpt2": "n_positions"}
 _ATTENTION = "specdec_ragged"
+#: Rotary embeddings that rescale with the longest position seen, which they read on the host.
+_HOST_DECIDED_ROPE = {"dynamic", "longrope"}
 
 
 @dataclass
@@ -146,6 +148,17 @@ class HFCausalLM(nn.Module):
         self.max_positions = getattr(config, _LEARNED_POSITIONS[model_type]) if model_type in _LEARNED_POSITIONS \
             else None
         self._replaced: list[tuple[nn.Module, str, nn.Linear]] = []  # layers `pack_weights` replaced
+
+    @property
+    def capturable(self) -> bool:
+        """Whether its decoding forwards can be replayed as CUDA graphs, which the loops then do
+        by default on CUDA: every supported family's forward is free of host synchronization,
+        except rotary embeddings that rescale with the longest position (``dynamic``,
+        ``longrope``): those decide on the host every call."""
+        config = self.hf.config
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        groups = [v for v in rope.values() if isinstance(v, dict)] or [rope]  # Gemma 3: one per layer type
+        return not {g.get("rope_type", g.get("type", "default")) for g in groups} & _HOST_DECIDED_ROPE
 
     @property
     def vocab_size(self) -> int:

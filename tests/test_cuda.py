@@ -435,7 +435,7 @@ def _hf_family_cases():
 
 
 @pytest.mark.parametrize("family, overrides", _hf_family_cases())
-def test_transformers_models_on_cuda_decode_as_transformers_does(family, overrides):
+def test_transformers_models_on_cuda_decode_as_transformers_does(family, overrides, monkeypatch):
     """Every supported transformers family on CUDA through the package's cache and kernels, its
     decoding forwards replayed as CUDA graphs (the default): greedy `generate`, and
     `speculative_generate` with a smaller same-family draft (adaptive lengths, the draft graphed
@@ -444,8 +444,12 @@ def test_transformers_models_on_cuda_decode_as_transformers_does(family, overrid
     where the CPU logits' top-2 gap is within rounding of CUDA's)."""
     from test_hf_models import tiny_hf
 
-    from specdec_kernels import HFCausalLM
+    from specdec_kernels import HFCausalLM, cuda_graphs
 
+    captures = []
+    capture = cuda_graphs.GraphedForward._capture
+    monkeypatch.setattr(cuda_graphs.GraphedForward, "_capture",
+                        lambda self, x, q: captures.append(tuple(x.shape)) or capture(self, x, q))
     hf = tiny_hf(family, scale=3.0, **overrides)
     draft = tiny_hf(family, seed=5, layers=1, hidden=32, scale=3.0,
                     **{k: v for k, v in overrides.items() if k != "layer_types"})
@@ -462,6 +466,7 @@ def test_transformers_models_on_cuda_decode_as_transformers_does(family, overrid
                                               max_new_tokens=16, temperature=0, adaptive=False),
     }
     hf.cpu()
+    assert captures, "no decoding forward was recorded as a CUDA graph"
     for name, out in runs.items():
         assert out.tokens.is_cuda, name
         tokens = out.tokens.cpu()

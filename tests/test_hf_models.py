@@ -167,6 +167,18 @@ def test_transformers_models_keep_one_host_sync_per_step():
         assert len(in_loop) == int(out.stats.num_steps.max()) + 1
 
 
+def test_rotary_embeddings_decided_on_the_host_keep_cuda_graphs_off_by_default():
+    """Families whose rotary embeddings rescale with the longest position (read on the host)
+    are not replayed as CUDA graphs unless asked; every other supported family is."""
+    assert all(HFCausalLM(tiny_hf(family)).capturable for family in SUPPORTED_MODEL_TYPES)
+    for rope in ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                 {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                  "original_max_position_embeddings": 64}):
+        hf = tiny_hf("phi3")
+        hf.config.rope_parameters = rope
+        assert not HFCausalLM(hf).capturable, rope["rope_type"]
+
+
 def test_the_models_own_attention_setting_is_restored():
     hf = tiny_hf("gpt2")
     ids, _ = ragged_prompts(B=2)
