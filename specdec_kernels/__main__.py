@@ -114,8 +114,9 @@ class MethodTimes:
 
     @property
     def tokens_per_second(self) -> float:
-        """Tokens of a round over the median seconds of a round. With a seed every round generates
-        the same tokens; the median keeps this defined if one ever did not."""
+        """Tokens of a round over the median seconds of a round: the median token count, since
+        sampled rounds of speculative decoding can differ in length (adaptive draft lengths
+        follow timings, so the same seed need not give the same tokens)."""
         return statistics.median(self.tokens) / self.median_seconds
 
 
@@ -389,7 +390,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
              "(default: %(default)s)")
     add("--device", default="cpu", metavar="DEV", help="'cpu', 'cuda' or 'cuda:N' (default: %(default)s)")
     add("--seed", type=int, default=0, metavar="S",
-        help="seed of the sampling (same seed, same text) (default: %(default)s)")
+        help="seed of the sampling: plain decoding repeats its text for the same seed; speculative decoding's "
+             "draft lengths adapt to timings, so its sampled text may differ (default: %(default)s)")
     return parser, demo
 
 

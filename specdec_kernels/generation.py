@@ -502,6 +502,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         adaptive: choose each row's draft length (0 .. K) every step from the acceptance and the
             draft and verify costs measured in this run (`specdec_kernels._draft_lengths`); a step
             where no draft pays for its verification decodes plainly. False: K every step.
+        seed: as in `generate`, with one limit: the same seed repeats sampled tokens only with the
+            same draft lengths, so use ``adaptive=False`` for runs repeatable token for token
+            (adaptive lengths follow this run's timings; every run follows the target's
+            distribution exactly, and greedy tokens never depend on the lengths).
         other arguments: as in `generate`; the cache capacity also needs room for one step's K
             drafts (default and least: longest prompt + max_new_tokens - 1 + K). With CUDA
             graphs one graph is recorded per batch size and verify width used twice (none for a
