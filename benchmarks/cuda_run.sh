@@ -8,9 +8,11 @@
 #             on an H100 VM (eagerly; most of it Hugging Face's assisted generation, one row at a time)
 #   speculation  fixed against adaptive draft lengths and the oracle drafter (bf16, K = 4), with
 #             CUDA graphs
+#   hf-models our loops driving transformers' own model and draft against transformers'
+#             generation (bf16), about 2 minutes on an H200
 # Without the model, SMOLLM2_TOKENIZER=DIR (SmolLM2's tokenizer, saved with save_pretrained) runs
 # decoding and speculation on random weights in SmolLM2's shapes: timings, not acceptance on text.
-# Usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding] [speculation]
+# Usage: bash benchmarks/cuda_run.sh OUTDIR [tests] [kernels] [decoding] [speculation] [hf-models]
 #        (default: the first three)
 # Record what it measures in docs/performance.md (date, GPU name, commit).
 set -uo pipefail
@@ -44,7 +46,7 @@ for step in $steps; do
             --benchmark-group-by=group --benchmark-columns=median,iqr,rounds \
             --benchmark-json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
         rc=$((rc | PIPESTATUS[0])) ;;
-    decoding|speculation)
+    decoding|speculation|hf-models)
         weights=()
         if ! $py -c "import specdec_kernels.pretrained as p; p.smollm2_folder()" >"$out/model.txt" 2>&1; then
             if [ -z "${SMOLLM2_TOKENIZER:-}" ]; then
@@ -52,6 +54,12 @@ for step in $steps; do
                 continue
             fi
             weights=(--random-weights "$SMOLLM2_TOKENIZER")
+        fi
+        if [ "$step" = hf-models ]; then
+            $py -m benchmarks.generation --hf-models --device cuda --dtype bfloat16 --repeats 3 \
+                "${weights[@]}" 2>&1 | tee "$out/hf_models_bfloat16.md"
+            rc=$((rc | PIPESTATUS[0]))
+            continue
         fi
         if [ "$step" = speculation ]; then
             $py -m benchmarks.generation --speculation --device cuda --dtype bfloat16 --ks 4 --repeats 3 \
@@ -68,7 +76,7 @@ for step in $steps; do
             $py -m specdec_kernels demo --device cuda 2>&1 | tee "$out/demo.log"
             rc=$((rc | PIPESTATUS[0]))
         fi ;;
-    *) echo "unknown step $step (tests, kernels, decoding, speculation)" >&2; exit 2 ;;
+    *) echo "unknown step $step (tests, kernels, decoding, speculation, hf-models)" >&2; exit 2 ;;
     esac
 done
 exit $rc
