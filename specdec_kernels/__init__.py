@@ -14,7 +14,7 @@ from ._backend import BACKENDS, auto_backend, interpreter_enabled, resolve_backe
 from ._checks import DeviceCheckError
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import KVCache
-from .drafts import Drafter, DraftProposal, ModelDraft, PromptLookupDraft
+from .drafts import Drafter, DraftProposal, EarlyExitDraft, ModelDraft, PromptLookupDraft
 from .generation import GenerationOutput, GenerationStats, generate, speculative_generate
 from .matmul import MatmulPlan
 from .model import Llama, LlamaConfig
@@ -37,6 +37,7 @@ __all__ = [
     "DeviceCheckError",
     "DraftProposal",
     "Drafter",
+    "EarlyExitDraft",
     "GenerationOutput",
     "GenerationStats",
     "Llama",

@@ -21,7 +21,8 @@ follows the text as it changes; a row whose drafts kept failing also drifts back
 probes cost little. Before costs are measured, steps draft one token per row until a drafting
 step has been timed (the first step's times are not used: it pays one-time costs; nor are a
 step's that ran a CUDA-graph shape eagerly or recorded it), then decode plainly until a second
-token count has been timed.
+token count has been timed. A drafter that has proposed nothing when asked leaves no drafting
+to price: the policy starts at once, and its shares f keep asking rare.
 
 The estimates live on the host: what they need (accepted counts, draft counts, phase times)
 arrives in the loop's one transfer per step, so choosing adds no synchronization.
@@ -143,8 +144,11 @@ class DraftLengths:
                        draft_s if width else 0.0, step_s, forecast, timed=slow_calls == self.slow_calls)
 
     def _ready(self) -> bool:
-        """Whether every cost has been measured."""
-        return len(self.verify_at) > 1 and self.draft_tokens > 0 and self.overhead is not None
+        """Whether every cost has been measured: a second verify width too, unless the drafter
+        has proposed nothing yet when asked (then there is no drafting to price: the shares f
+        say so, and the policy asks again as they recover)."""
+        measured = len(self.verify_at) > 1 or (self.steps_seen > 1 and not any(self.got))
+        return measured and self.draft_tokens > 0 and self.overhead is not None
 
     def _predicted(self, tokens: float, width: int) -> float:
         """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row."""

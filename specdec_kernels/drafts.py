@@ -2,10 +2,12 @@
 
 `speculative_generate` asks a `Drafter` for tokens and knows nothing else about it. A drafter
 follows the committed text of each row (`Drafter.commit`), proposes continuations
-(`Drafter.propose`) and forgets finished rows (`Drafter.select`). Two drafters ship:
+(`Drafter.propose`) and forgets finished rows (`Drafter.select`). Three drafters ship:
 
 - `ModelDraft` wraps any model that follows the model protocol and shares the target's
-  vocabulary (`specdec_kernels.Llama.truncated` gives the target's first layers);
+  vocabulary, in a KV cache of its own;
+- `EarlyExitDraft` drafts with the target's own first layers, its final norm and head
+  (layer-skip self-speculation) in the target's KV cache: nothing is prefilled or read twice;
 - `PromptLookupDraft` proposes what followed the last n-gram earlier in the text (no model).
 
 A drafter of your own (the proposals of the next token's most common successor, say) needs
@@ -40,6 +42,7 @@ import torch
 
 from ._checks import check_lengths_tensor, device_check, is_int
 from ._model_calls import _check_model, _decoding_forward, _last_logits, _new_cache, _use_cuda_graphs, as_protocol_model
+from .cache import KVCache
 
 
 @dataclass
@@ -71,6 +74,13 @@ class Drafter(Protocol):
     the target's last-layer hidden state (before the final norm) at the position that produced
     each committed token (the prefill's last position for the first token). Nothing is
     computed for drafters that do not ask.
+
+    A drafter that runs the target's own first layers (`EarlyExitDraft`) sets
+    ``needs_target_cache = True``; its `prefill` then also receives ``target_cache=``, the
+    target's `KVCache` holding the prompt. When the drafter proposes, the cache holds every
+    committed token but the last; the drafter may write its layers' keys and values past each
+    row's length but must leave the lengths as it found them (the target's verification then
+    writes over those positions). The loop selects that cache's rows itself.
     """
 
     def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int) -> None:
@@ -206,6 +216,72 @@ class ModelDraft:
         if self.vocab_size <= self.model.vocab_size:
             return token_ids
         return token_ids.masked_fill(token_ids >= self.model.vocab_size, 0)
+
+
+class EarlyExitDraft:
+    """A `Drafter` from the target's own first ``num_layers`` layers, final norm and LM head
+    (layer-skip self-speculation), running in the target's KV cache.
+
+    Those layers' keys and values for every committed token are exactly the target's, already
+    in its cache, so the draft has no prefill and never reads a committed token twice: each
+    proposal runs ``num_tokens`` one-token forwards of ``num_layers`` layers (the last committed
+    token, then its own drafts), written past each row's cache length, and restores the
+    lengths; the target's verification overwrites those positions with the same values for
+    those layers. Its proposals are those of ``ModelDraft(target.truncated(num_layers))``
+    without that draft's own cache to fill.
+
+    Args:
+        target: the built-in `Llama` that ``speculative_generate`` verifies with (the same
+            object: the draft writes into its cache).
+        num_layers: how many of the target's first layers draft (1 .. its depth).
+        cuda_graphs: replay the draft's one-token forwards as CUDA graphs, as in `generate`.
+
+    Example::
+
+        out = speculative_generate(target, EarlyExitDraft(target, 6), input_ids, max_new_tokens=64)
+    """
+
+    needs_target_cache = True
+
+    def __init__(self, target, num_layers: int, *, cuda_graphs: bool | None = None) -> None:
+        truncated = getattr(target, "truncated", None)
+        if not callable(truncated):
+            raise TypeError(f"EarlyExitDraft needs a target with truncated(num_layers) (the built-in Llama), got "
+                            f"{type(target).__name__}")
+        self.target, self.model = target, truncated(num_layers)
+        self.cuda_graphs = cuda_graphs
+
+    def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int, *,
+                target_cache: KVCache) -> None:
+        config = self.target.config
+        expected = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        found = tuple(getattr(target_cache, a, None) for a in ("num_layers", "num_kv_heads", "head_dim"))
+        if not isinstance(target_cache, KVCache) or found != expected:
+            raise ValueError(f"EarlyExitDraft drafts in the KV cache of the target it was made from (layers, KV "
+                             f"heads, head dim {expected}), got {type(target_cache).__name__} {found}: pass the same "
+                             "target to speculative_generate")
+        self.cache = target_cache
+        graphs = _use_cuda_graphs(self.cuda_graphs, (self.model,), input_ids.device)
+        self._step = _decoding_forward(self.model, self.cache, "draft", graphs, last_only=True)
+        self.last = input_ids.gather(1, (q_seqlens - 1)[:, None])  # [B, 1]: replaced by the first commit
+        self.longest = input_ids.shape[1]  # host bound on every row's committed count (no sync to tighten it)
+
+    def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
+        start = self.cache.lengths.clone()
+        ids, logits = self.last, []
+        for i in range(num_tokens):
+            # The cache holds every committed token but the last: after i drafts, at most longest + i.
+            logits.append(self._step(ids[:, -1:], self.cache, max_seqlen=self.longest + i, min_seqlen=None))
+            ids = torch.cat([ids, sample(logits[-1])[:, None]], 1)
+        self.cache.crop(start)
+        return DraftProposal(ids[:, 1:], None, torch.stack(logits, 1))
+
+    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        self.last = token_ids.gather(1, (num_tokens - 1)[:, None])
+        self.longest += token_ids.shape[1]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.last = self.last[rows]  # the loop selects the shared cache's rows
 
 
 def check_padded_vocabularies(draft_size: int, target_size: int) -> None:

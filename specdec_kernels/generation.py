@@ -565,7 +565,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         check("target model", V, logits)
     stats.target_forwards += 1
     with timer("draft prefill"):
-        drafter.prefill(request.prompt, request.prompt_lengths, request.max_len)
+        shared = {"target_cache": cache} if getattr(drafter, "needs_target_cache", False) is True else {}
+        drafter.prefill(request.prompt, request.prompt_lengths, request.max_len, **shared)
     with timer("sampler"):
         token = request.sample(logits)
     new, accepted, asked = token[:, None], torch.zeros_like(rows), lengths.choose(host_rows, {})

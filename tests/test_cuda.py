@@ -15,6 +15,7 @@ from test_sampling import CASES as SAMPLER_CASES
 from test_sampling import NO_TOKEN_OPS, _bad_row_inputs, _no_token_cases, make_case, noise_for
 
 from specdec_kernels import (
+    EarlyExitDraft,
     KVCache,
     PromptLookupDraft,
     first_rejection_index,
@@ -258,7 +259,7 @@ def test_model_forward_is_sync_free_on_cuda():
     assert out.token_ids.is_cuda and out.num_accepted.shape == (4,)
 
 
-@pytest.mark.parametrize("draft_kind", [None, "truncated", "prompt-lookup"])
+@pytest.mark.parametrize("draft_kind", [None, "truncated", "early-exit", "prompt-lookup"])
 def test_cuda_graphs_give_the_eager_tokens(draft_kind, monkeypatch):
     """Decoding steps replayed from CUDA graphs (the default for the built-in model on CUDA)
     against the eager loop: greedy tokens equal (the top-2 gap allowance: graphs read the whole
@@ -268,12 +269,13 @@ def test_cuda_graphs_give_the_eager_tokens(draft_kind, monkeypatch):
     model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
     input_ids, mask = ragged_prompts(seed=9)
     ids, m = input_ids.cuda(), mask.cuda()
-    drafts = {"truncated": model.truncated(1), "prompt-lookup": PromptLookupDraft()}
+    drafts = {"truncated": lambda: model.truncated(1), "prompt-lookup": PromptLookupDraft,
+              "early-exit": lambda: EarlyExitDraft(model, 1)}
 
     def run(**kwargs):
         if draft_kind is None:
             return generate(model, ids, m, max_new_tokens=20, temperature=0, **kwargs)
-        return speculative_generate(model, drafts[draft_kind], ids, m, num_draft_tokens=3, max_new_tokens=20,
+        return speculative_generate(model, drafts[draft_kind](), ids, m, num_draft_tokens=3, max_new_tokens=20,
                                     temperature=0, **kwargs)
 
     eos = int(run(cuda_graphs=False).tokens[1, 4])
@@ -330,7 +332,7 @@ class _HiddenStatesDraft(PromptLookupDraft):
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-@pytest.mark.parametrize("draft_kind", ["model", "prompt-lookup", "oracle", "hidden-states"])
+@pytest.mark.parametrize("draft_kind", ["model", "early-exit", "prompt-lookup", "oracle", "hidden-states"])
 def test_drafters_on_cuda_give_generate_tokens_and_stream_them(draft_kind, adaptive):
     """Every kind of drafter on CUDA (graphs by default: one per batch size and verify width;
     none for the target of a drafter reading its hidden states), with fixed and adaptive draft
@@ -345,6 +347,7 @@ def test_drafters_on_cuda_give_generate_tokens_and_stream_them(draft_kind, adapt
     B, K, N = input_ids.shape[0], 4, 24
     plain = generate(model, ids, m, max_new_tokens=N, temperature=0, cuda_graphs=False)
     drafts = {"model": lambda: ModelDraft(model.truncated(1)), "prompt-lookup": PromptLookupDraft,
+              "early-exit": lambda: EarlyExitDraft(model, 1),
               "oracle": lambda: OracleDraft(generate(model, ids, m, max_new_tokens=N + K, temperature=0,
                                                      cuda_graphs=False).tokens),
               "hidden-states": lambda: _HiddenStatesDraft(model.config.hidden_size)}
@@ -368,9 +371,10 @@ def test_drafters_on_cuda_give_generate_tokens_and_stream_them(draft_kind, adapt
 
 
 @pytest.mark.parametrize("draft_kind, adaptive", [(None, False), ("model", False), ("model", True),
-                                                   ("prompt-lookup", False), ("prompt-lookup", True)],
-                         ids=["generate", "model-fixed", "model-adaptive", "prompt-lookup-fixed",
-                              "prompt-lookup-adaptive"])
+                                                   ("early-exit", True), ("prompt-lookup", False),
+                                                   ("prompt-lookup", True)],
+                         ids=["generate", "model-fixed", "model-adaptive", "early-exit-adaptive",
+                              "prompt-lookup-fixed", "prompt-lookup-adaptive"])
 def test_decoding_steps_synchronize_once_on_cuda(draft_kind, adaptive):
     """CUDA's own sync detector over whole eager runs: a longer run costs exactly one more
     synchronization per extra step (the step's one transfer); draft lengths, streaming and row
@@ -392,7 +396,8 @@ def test_decoding_steps_synchronize_once_on_cuda(draft_kind, adaptive):
                 if draft_kind is None:
                     out = generate(model, ids, m, **kwargs)
                 else:
-                    draft = model.truncated(1) if draft_kind == "model" else PromptLookupDraft()
+                    draft = {"model": lambda: model.truncated(1), "early-exit": lambda: EarlyExitDraft(model, 1),
+                             "prompt-lookup": PromptLookupDraft}[draft_kind]()
                     out = speculative_generate(model, draft, ids, m, num_draft_tokens=3, adaptive=adaptive, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")

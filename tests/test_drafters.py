@@ -8,6 +8,7 @@ from specdec_kernels import (
     DeviceCheckError,
     Drafter,
     DraftProposal,
+    EarlyExitDraft,
     ModelDraft,
     PromptLookupDraft,
     generate,
@@ -119,6 +120,66 @@ def test_rows_finish_at_different_steps(target):
             spec = speculative_generate(target, draft, ids, mask, max_new_tokens=20, temperature=0,
                                         eos_token_id=eos, adaptive=adaptive)
             assert_greedy_equal(target, ids, mask, plain, spec)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_an_early_exit_draft_proposes_what_the_truncated_model_does_in_the_targets_cache(target, adaptive):
+    """EarlyExitDraft drafts with the target's first layer in the target's own cache: greedy
+    tokens equal `generate`'s with rows finishing at different steps, and with fixed lengths its
+    proposals are accepted exactly as those of the same layers in a cache of their own
+    (`ModelDraft(target.truncated(1))`): the shared cache holds what the draft would compute,
+    and the draft leaves the target's cache intact."""
+    ids, mask = ragged_prompts(B=6, seed=5)
+    plain = generate(target, ids, mask, max_new_tokens=20, temperature=0)
+    eos = int(plain.tokens[2, 3])
+    plain = generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=eos)
+    assert len(set(plain.stats.num_generated.tolist())) > 1
+    runs = {name: speculative_generate(target, draft, ids, mask, num_draft_tokens=3, max_new_tokens=20,
+                                       temperature=0, eos_token_id=eos, adaptive=adaptive)
+            for name, draft in (("early exit", EarlyExitDraft(target, 1)), ("model", ModelDraft(target.truncated(1))))}
+    assert_greedy_equal(target, ids, mask, plain, runs["early exit"])
+    assert runs["early exit"].stats.time_draft_prefill_s < runs["model"].stats.time_draft_prefill_s
+    if not adaptive:
+        for count in ("num_proposed", "num_accepted"):
+            assert torch.equal(getattr(runs["early exit"].stats, count), getattr(runs["model"].stats, count)), count
+        assert runs["early exit"].stats.num_accepted.sum() > 0
+
+
+def test_an_early_exit_draft_needs_the_cache_of_its_own_target(target):
+    """Made from a model without layers to truncate, or given another model's cache: clear errors."""
+    from test_hf_models import tiny_hf
+
+    with pytest.raises(TypeError, match="truncated"):
+        EarlyExitDraft(tiny_hf("llama"), 1)
+    with pytest.raises(ValueError, match="num_layers"):
+        EarlyExitDraft(target, 9)
+    other = tiny_llama(seed=0, scale=3.0, layers=2)
+    ids, mask = ragged_prompts(B=2, seed=1)
+    with pytest.raises(ValueError, match="EarlyExitDraft drafts in the KV cache of the target it was made from"):
+        speculative_generate(other, EarlyExitDraft(target, 1), ids, mask, max_new_tokens=4)
+
+
+def test_a_drafter_that_never_proposes_is_asked_rarely(target):
+    """A drafter with nothing to propose (prompt lookup on text that never repeats): after the
+    first asks the loop decodes plainly and asks again only now and then."""
+    class Nothing:
+        def prefill(self, input_ids, q_seqlens, max_len):
+            self.B = input_ids.shape[0]
+
+        def propose(self, num_tokens, sample):
+            none = torch.zeros(self.B, dtype=torch.int64)
+            return DraftProposal(torch.zeros(self.B, num_tokens, dtype=torch.int64), none)
+
+        def commit(self, token_ids, num_tokens):
+            pass
+
+        def select(self, rows):
+            self.B = len(rows)
+
+    ids, mask = ragged_prompts(B=2, seed=1)
+    out = speculative_generate(target, Nothing(), ids, mask, max_new_tokens=60, temperature=0)
+    assert out.stats.draft_calls <= 6, out.stats.draft_lengths
+    assert torch.equal(out.tokens, generate(target, ids, mask, max_new_tokens=60, temperature=0).tokens)
 
 
 def test_adaptive_and_fixed_give_the_same_greedy_tokens(target):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec_kernels import PromptLookupDraft, generate, process_logits, speculative_generate
+from specdec_kernels import EarlyExitDraft, PromptLookupDraft, generate, process_logits, speculative_generate
 from specdec_kernels.testing import SyncCounter
 
 from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
@@ -107,13 +107,15 @@ def test_sampling_matches_the_target_distribution(sampling, k):
                                             seed=12, **sampling),
         "prompt-lookup": speculative_generate(target, PromptLookupDraft(), ids, num_draft_tokens=k,
                                               max_new_tokens=3, seed=13, **sampling),
+        "early-exit": speculative_generate(target, EarlyExitDraft(target, 1), ids, num_draft_tokens=k,
+                                           max_new_tokens=3, seed=14, **sampling),
     }.items():
         t = out.tokens
         observed = torch.bincount(t[:, 0] * 12 + t[:, 1], minlength=144).reshape(12, 12)
         assert chi_square_pvalue(observed, joint) > P_THRESHOLD, f"{name}: (t1, t2) not distributed as p"
         assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=12), marginal3) > P_THRESHOLD, \
             f"{name}: t3 not distributed as p"
-        if name == "speculative":
+        if name in ("speculative", "early-exit"):
             assert 0.05 < out.stats.acceptance_rate < 0.95  # the draft really disagrees sometimes
 
 
