@@ -6,9 +6,10 @@ Compared side by side in one run, greedy, same weights, same prompts:
 
 - our `generate` vs Hugging Face ``model.generate`` (our model's matmuls in the forms
   `Llama.pack_weights` measures fastest on this machine; ``--no-pack`` leaves them as loaded);
-- our `speculative_generate` (prompt-lookup draft; a draft made of the target's first layers) vs
-  our `generate` vs Hugging Face assisted generation with the same draft (``prompt_lookup_num_tokens=``,
-  ``assistant_model=``), which supports one row at a time, so batch 8 loops over rows;
+- our `speculative_generate` (prompt-lookup draft; the target's first layers, `EarlyExitDraft`,
+  drafting in the target's cache) vs our `generate` vs Hugging Face assisted generation with the
+  same drafts (``prompt_lookup_num_tokens=``; ``assistant_model=`` a model of the same first
+  layers, in its own cache), which supports one row at a time, so batch 8 loops over rows;
 - efficiency: measured speedup / predicted speedup, predicted = (1 - a^(K+1)) / ((1 - a)(K c + v))
   with a = acceptance rate, c = draft time per drafted token / target step, v = target verify of
   K+1 tokens / target step, all from the phase timers of the same runs, prefill excluded (target
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec_kernels import ModelDraft, PromptLookupDraft, generate, speculative_generate
+from specdec_kernels import EarlyExitDraft, PromptLookupDraft, generate, speculative_generate
 from specdec_kernels.testing import OracleDraft
 
 PROMPTS = (
@@ -101,12 +102,12 @@ def encode(setup: Setup, batch_size: int):
 
 
 def make_drafter(setup: Setup, draft: str, batch_size: int, max_new_tokens: int, k: int):
-    """``"prompt_lookup"``, ``"layers"`` (the target's first DRAFT_LAYERS layers) or ``"oracle"``
+    """``"prompt_lookup"``, ``"layers"`` (the target's first DRAFT_LAYERS layers, in its cache) or ``"oracle"``
     (the target's own greedy continuation, computed beforehand: every draft is accepted)."""
     if draft == "prompt_lookup":
         return PromptLookupDraft()
     if draft == "layers":
-        return ModelDraft(setup.model.truncated(DRAFT_LAYERS), cuda_graphs=setup.cuda_graphs)
+        return EarlyExitDraft(setup.model, DRAFT_LAYERS, cuda_graphs=setup.cuda_graphs)
     ids, mask = encode(setup, batch_size)
     truth = generate(setup.model, ids, mask, max_new_tokens=max_new_tokens + k, temperature=0)
     return OracleDraft(truth.tokens)

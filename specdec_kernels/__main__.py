@@ -93,11 +93,12 @@ def parse_draft(kind: str) -> int | None:
 
 
 def make_draft(kind: str, target):
-    """``"prompt_lookup"`` or ``"layers:N"`` (the target's first N layers) -> a draft."""
-    from specdec_kernels import PromptLookupDraft
+    """``"prompt_lookup"`` or ``"layers:N"`` (the target's first N layers, drafting in its cache)
+    -> a drafter."""
+    from specdec_kernels import EarlyExitDraft, PromptLookupDraft
 
     layers = parse_draft(kind)
-    return PromptLookupDraft() if layers is None else target.truncated(layers)
+    return PromptLookupDraft() if layers is None else EarlyExitDraft(target, layers)
 
 
 @dataclass
