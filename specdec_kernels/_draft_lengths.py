@@ -21,8 +21,8 @@ follows the text as it changes; a row whose drafts kept failing also drifts back
 probes cost little. Before costs are measured, steps draft one token per row until a drafting
 step has been timed (the first step's times are not used: it pays one-time costs; nor are a
 step's that ran a CUDA-graph shape eagerly or recorded it), then decode plainly until a second
-token count has been timed. A drafter that has proposed nothing when asked leaves no drafting
-to price: the policy starts at once, and its shares f keep asking rare.
+token count has been timed. A drafter that has proposed nothing in the first steps leaves no
+drafting to price: the policy then starts without, and its shares f keep asking rare.
 
 The estimates live on the host: what they need (accepted counts, draft counts, phase times)
 arrives in the loop's one transfer per step, so choosing adds no synchronization.
@@ -36,6 +36,9 @@ from .cuda_graphs import GraphedForward
 
 DECAY = 0.98  # acceptance, per step: what was seen ~35 steps ago weighs half
 COST_DECAY = 0.95  # times, per step: ~20 steps averaged (the first step and outliers are dropped)
+# Timed steps a drafter may answer with nothing before the policy starts without drafting costs
+# (a text's first n-grams often match nothing yet: asking a few steps more is cheap).
+UNANSWERED_STEPS = 8
 
 
 class _DecayedLine:
@@ -145,9 +148,9 @@ class DraftLengths:
 
     def _ready(self) -> bool:
         """Whether every cost has been measured: a second verify width too, unless the drafter
-        has proposed nothing yet when asked (then there is no drafting to price: the shares f
-        say so, and the policy asks again as they recover)."""
-        measured = len(self.verify_at) > 1 or (self.steps_seen > 1 and not any(self.got))
+        has proposed nothing in `UNANSWERED_STEPS` timed steps (then there is no drafting to
+        price: the shares f say so, and the policy asks again as they recover)."""
+        measured = len(self.verify_at) > 1 or (self.steps_seen >= UNANSWERED_STEPS and not any(self.got))
         return measured and self.draft_tokens > 0 and self.overhead is not None
 
     def _predicted(self, tokens: float, width: int) -> float:
