@@ -521,10 +521,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         out = speculative_generate(model, PromptLookupDraft(), input_ids, max_new_tokens=64, temperature=0)
         print(out.stats.acceptance_rate, out.stats.mean_draft_length)
     """
-    if not is_int(num_draft_tokens) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
-    if not isinstance(adaptive, bool):
-        raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
+    _check_speculation_options(num_draft_tokens, adaptive)
     target = as_protocol_model(target)
     _check_model(target, "target")
     drafter = _as_drafter(draft, target, cuda_graphs)
@@ -574,10 +571,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         while True:
             kept, done = outputs.write(rows, new, accepted + 1, request.eos)
             stream.add(host_rows, kept, new)
-            if hidden:
-                drafter.commit(new, accepted + 1, hidden_states=states)
-            else:
-                drafter.commit(new, accepted + 1)
+            drafter.commit(new, accepted + 1, **({"hidden_states": states} if hidden else {}))
             draft_ids, num_drafts, draft_logits = propose(asked, logits)
             # The one transfer: finished rows, bounds for the verify forward, this step's drafts and
             # the last step's acceptance (for the draft lengths), the streamer's tokens.
@@ -592,11 +586,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             drafted, generated = (dict(zip(host_rows, values, strict=True)) for values in (drafted, generated))
             if len(running) < len(rows):
                 keep = _host_list_to(running, device)
-                rows, token, cache = rows[keep], token[keep], cache.select(keep)
-                draft_ids, num_drafts = draft_ids[keep], num_drafts[keep]
-                draft_logits = None if draft_logits is None else draft_logits[keep]
+                rows, token, draft_ids, num_drafts, draft_logits = (
+                    None if t is None else t[keep] for t in (rows, token, draft_ids, num_drafts, draft_logits))
+                cache, host_rows = cache.select(keep), [host_rows[i] for i in running]
                 drafter.select(keep)
-                host_rows = [host_rows[i] for i in running]
             b = len(rows)
             lengths.verifying(host_rows, drafted, b + total)
 
@@ -605,23 +598,14 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             with timer("verify"):
                 with timer("target"):
                     start = cache.lengths.clone()
-                    verify_ids = torch.cat([token[:, None], draft_ids[:, :widest]], 1)
                     ragged = fewest < widest  # rows with fewer drafts: the model may skip their padding
-                    out = verify(verify_ids, cache, num_drafts + 1 if ragged else None, b + total if ragged else None,
+                    out = verify(torch.cat([token[:, None], draft_ids[:, :widest]], 1), cache,
+                                 num_drafts + 1 if ragged else None, b + total if ragged else None,
                                  max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
                     target_logits, states = out if hidden else (out, None)
                 stats.target_forwards += 1
                 with timer("sampler"):
-                    if widest == 0:
-                        token = request.sample(target_logits[:, 0])
-                        new, accepted = token[:, None], torch.zeros_like(token)
-                    else:
-                        result = rejection_sample_logits(
-                            target_logits, None if draft_logits is None else draft_logits[:, :widest],
-                            draft_ids[:, :widest], num_drafts, **request.sampling, generator=request.generator,
-                            validate=False)
-                        new, accepted = result.token_ids.clamp(min=0), result.num_accepted
-                        token = new.gather(1, accepted[:, None])[:, 0]
+                    new, accepted, token = _accept(request, target_logits, draft_ids, draft_logits, num_drafts, widest)
             cache.crop(start + accepted + 1)
             stats.num_steps[rows] += 1
             stats.num_proposed[rows] += num_drafts
@@ -629,6 +613,28 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             asked = lengths.choose(host_rows, generated)
     stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
+
+
+def _check_speculation_options(num_draft_tokens, adaptive) -> None:
+    if not is_int(num_draft_tokens) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    if not isinstance(adaptive, bool):
+        raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
+
+
+def _accept(request: _Request, target_logits: torch.Tensor, draft_ids: torch.Tensor, draft_logits, num_drafts,
+            widest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verified step's new tokens [b, widest + 1] (each row's accepted drafts, then the target's
+    own token), the drafts each row accepted [b] and its last token [b]: `rejection_sample_logits`
+    over the drafts, or a plain sample from the target where no row drafted."""
+    if widest == 0:
+        token = request.sample(target_logits[:, 0])
+        return token[:, None], torch.zeros_like(token), token
+    result = rejection_sample_logits(target_logits, None if draft_logits is None else draft_logits[:, :widest],
+                                     draft_ids[:, :widest], num_drafts, **request.sampling,
+                                     generator=request.generator, validate=False)
+    new, accepted = result.token_ids.clamp(min=0), result.num_accepted
+    return new, accepted, new.gather(1, accepted[:, None])[:, 0]
 
 
 def _host_list_to(values: list[int], device: torch.device) -> torch.Tensor:
