@@ -615,15 +615,16 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
 
-def _check_speculation_options(num_draft_tokens, adaptive) -> None:
+def _check_speculation_options(num_draft_tokens: int, adaptive: bool) -> None:
     if not is_int(num_draft_tokens) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
     if not isinstance(adaptive, bool):
         raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
 
 
-def _accept(request: _Request, target_logits: torch.Tensor, draft_ids: torch.Tensor, draft_logits, num_drafts,
-            widest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _accept(request: _Request, target_logits: torch.Tensor, draft_ids: torch.Tensor,
+            draft_logits: torch.Tensor | None, num_drafts: torch.Tensor, widest: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A verified step's new tokens [b, widest + 1] (each row's accepted drafts, then the target's
     own token), the drafts each row accepted [b] and its last token [b]: `rejection_sample_logits`
     over the drafts, or a plain sample from the target where no row drafted."""

@@ -100,7 +100,7 @@ def _register() -> None:
     if not hasattr(transformers, "AttentionInterface"):
         raise ImportError(f"HFCausalLM needs transformers' attention-function registry (AttentionInterface), "
                           f"which transformers {transformers.__version__} lacks: pip install -U transformers "
-                          "(checked with 5.24)")
+                          "(checked with 5.17 and 5.24)")
     transformers.AttentionInterface.register(_ATTENTION, _attention)
 
 
