@@ -200,9 +200,11 @@ class MatmulPlan:
 #: Intel Xeon's measurements favoured (``docs/performance.md``).
 MKL_PACKED_PLAN = MatmulPlan(input_major=True, forms=((1, "linear"), (2, "mkl_packed")))
 
-# Row counts `measure_matmul_plan` times (decoding batches, verification widths); more rows (prefills)
-# run the form of the last: a prefill runs once per call, and each row count adds seconds to measuring.
-MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Row counts `measure_matmul_plan` times (decoding batches, verification widths: every count to 6,
+# since a batch-1 verification of K + 1 tokens runs one of them each step and a count between two
+# timed ones would take the smaller's form untimed); more rows (prefills) run the form of the last:
+# a prefill runs once per call, and each row count adds seconds to measuring.
+MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64)
 
 # The weights are stored input-major only when that layout's best forms are this much faster
 # (product of the ratios over the row counts): a layout change also makes a tied embedding's
@@ -377,11 +379,11 @@ def _cpu_name() -> str:
 
 def _plan_key(weights: Sequence[torch.Tensor]) -> str:
     """What a plan holds for: the CPU model and count, the torch build, its threads and packed forms,
-    and the weights' shapes."""
+    the weights' shapes and the row counts timed."""
     cpu = _cpu_name()
     available = [name for name, form in PACKED_FORMS.items() if form.available()]
     return json.dumps([cpu or platform.processor() or platform.machine(), os.cpu_count(), torch.__version__,
-                       torch.get_num_threads(), available, [list(w.shape) for w in weights]])
+                       torch.get_num_threads(), available, [list(w.shape) for w in weights], list(MEASURED_ROWS)])
 
 
 def _stored_plans(path: Path) -> dict:
