@@ -543,18 +543,6 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                                                                    return_hidden=hidden))
     sample_draft = lambda logits: request.sample(check("draft model", V, logits))
 
-    def propose(asked: list[int], logits_like: torch.Tensor) -> tuple:
-        """The drafter's proposal with each row's count cut to ``asked`` (0 .. K, host ints)."""
-        if max(asked) == 0:  # a plain decoding step
-            return torch.zeros(len(asked), 0, dtype=torch.int64, device=device), torch.zeros_like(rows), None
-        stats.draft_calls += 1
-        with timer("draft"):
-            ids, num, logits = _checked_proposal(drafter, drafter.propose(max(asked), sample_draft), len(asked),
-                                                 max(asked), logits_like, check)
-            if min(asked) < max(asked):
-                num = torch.minimum(num, _host_list_to(asked, device))
-        return ids, num, logits
-
     with timer("prefill"):
         out = _last_logits(target, request.prompt, cache, request.prompt_lengths, request.prompt_tokens,
                            max_seqlen=request.prompt.shape[1], return_hidden=hidden)
@@ -572,7 +560,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             kept, done = outputs.write(rows, new, accepted + 1, request.eos)
             stream.add(host_rows, kept, new)
             drafter.commit(new, accepted + 1, **({"hidden_states": states} if hidden else {}))
-            draft_ids, num_drafts, draft_logits = propose(asked, logits)
+            if max(asked) == 0:  # a plain decoding step
+                draft_ids, num_drafts, draft_logits = token.new_zeros(len(asked), 0), torch.zeros_like(rows), None
+            else:
+                stats.draft_calls += 1
+                with timer("draft"):
+                    draft_ids, num_drafts, draft_logits = _propose(drafter, asked, sample_draft, logits, check)
             # The one transfer: finished rows, bounds for the verify forward, this step's drafts and
             # the last step's acceptance (for the draft lengths), the streamer's tokens.
             running, (longest, shortest, widest, fewest, total, drafted, accepted_list, generated,
@@ -613,6 +606,17 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             asked = lengths.choose(host_rows, generated)
     stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
+
+
+def _propose(drafter: Drafter, asked: list[int], sample: Callable[[torch.Tensor], torch.Tensor],
+             logits_like: torch.Tensor, check: _LogitsCheck) -> tuple:
+    """The drafter's proposal (checked) with each row's count cut to ``asked`` (0 .. K, host ints,
+    not all 0): ids [b, max(asked)], counts [b] and draft logits or None."""
+    ids, num, logits = _checked_proposal(drafter, drafter.propose(max(asked), sample), len(asked), max(asked),
+                                         logits_like, check)
+    if min(asked) < max(asked):
+        num = torch.minimum(num, _host_list_to(asked, num.device))
+    return ids, num, logits
 
 
 def _check_speculation_options(num_draft_tokens: int, adaptive: bool) -> None:
