@@ -39,6 +39,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2
 #: Learned absolute position embeddings: the cache may not outgrow them.
 _LEARNED_POSITIONS = {"gpt2": "n_positions"}
 _ATTENTION = "specdec_ragged"
+#: Names of the base model's final norm across the supported families (Llama-like, GPT-NeoX, GPT-2).
+_FINAL_NORMS = ("norm", "final_layer_norm", "ln_f")
 #: Rotary embeddings that rescale with the longest position seen, which they read on the host.
 _HOST_DECIDED_ROPE = {"dynamic", "longrope"}
 
@@ -177,14 +179,16 @@ class HFCausalLM(nn.Module):
                        dtype=dtype or weight.dtype, device=device or weight.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
-                last_only: bool = False, max_seqlen: int | None = None, min_seqlen: int | None = None
-                ) -> torch.Tensor:
+                last_only: bool = False, max_seqlen: int | None = None, min_seqlen: int | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
 
         Args and returns as `Llama.forward` (without ``num_tokens``: transformers' layers run on
         all B * T positions): row b's first ``q_seqlens[b]`` tokens are real, at positions
         ``cache.lengths[b] ..``; the cache advances by ``q_seqlens``; logits [B, T, V] (or [B, 1, V]
-        with ``last_only``, each row's last real token) in the model's dtype.
+        with ``last_only``, each row's last real token) in the model's dtype. ``return_hidden``:
+        also the last layer's hidden states before the final norm (the norm's input: what
+        EAGLE-style draft heads read, `specdec_kernels.Drafter`), [B, T, H] or [B, 1, H].
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(getattr(input_ids, 'shape', ()))}")
@@ -202,7 +206,9 @@ class HFCausalLM(nn.Module):
         # outputs are never read), so learned position tables are never indexed beyond it.
         positions = (cache.lengths[:, None] + torch.arange(T, device=input_ids.device)).clamp_(max=cache.max_len - 1)
         ragged_last = last_only and q_seqlens is not None
-        with self._implementation(), self._last_rows(q_seqlens if ragged_last else None):
+        hidden: list[torch.Tensor] = []
+        with self._implementation(), self._last_rows(q_seqlens if ragged_last else None), \
+                self._norm_input(hidden if return_hidden else None):
             out = self.hf(input_ids=input_ids, position_ids=positions, use_cache=False,
                           logits_to_keep=1 if last_only and not ragged_last else 0,
                           specdec_pass=attention)
@@ -211,7 +217,14 @@ class HFCausalLM(nn.Module):
                                f"layers through {_ATTENTION!r}: this transformers version routes attention "
                                "otherwise; its logits would not use the cache")
         cache.advance(T if q_seqlens is None else q_seqlens)
-        return out.logits
+        if not return_hidden:
+            return out.logits
+        states = hidden[0]
+        if ragged_last:
+            states = states.gather(1, (q_seqlens - 1).view(B, 1, 1).expand(B, 1, states.shape[-1]))
+        elif last_only:
+            states = states[:, -1:]
+        return out.logits, states
 
     def pack_weights(self, enable: bool = True, *, plan: MatmulPlan | None = None) -> HFCausalLM:
         """Compute the model's ``nn.Linear`` layers (projections and LM head) in the matmul forms
@@ -267,6 +280,25 @@ class HFCausalLM(nn.Module):
             yield
         finally:
             config._attn_implementation = previous
+
+    @contextlib.contextmanager
+    def _norm_input(self, into: list | None) -> Iterator[None]:
+        """With a list ``into``, the final norm's input (the last layer's hidden states [B, T, H])
+        is appended to it during the call."""
+        if into is None:
+            yield
+            return
+        base = self.hf.base_model
+        norm = next((getattr(base, name) for name in _FINAL_NORMS if isinstance(getattr(base, name, None), nn.Module)),
+                    None)
+        if norm is None:
+            raise TypeError(f"{type(self.hf).__name__} has no final norm named {' or '.join(_FINAL_NORMS)} on its "
+                            "base model: its hidden states before the norm cannot be read")
+        handle = norm.register_forward_pre_hook(lambda module, args: into.append(args[0]))
+        try:
+            yield
+        finally:
+            handle.remove()
 
     @contextlib.contextmanager
     def _last_rows(self, q_seqlens: torch.Tensor | None) -> Iterator[None]:

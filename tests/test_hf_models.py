@@ -306,3 +306,44 @@ def test_pack_weights_changes_nothing_when_a_weight_cannot_be_packed():
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj: packing needs a CPU float32 weight"):
         HFCausalLM(hf).pack_weights(plan=MatmulPlan(input_major=False, forms=((1, "weight_first"),)))
     assert all(type(m) is torch.nn.Linear for m in hf.modules() if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox", "gpt2", "phi3"])
+def test_hidden_states_are_the_final_norms_input(family):
+    """``return_hidden``: the last layer's hidden states before the final norm, [B, T, H] or each
+    row's last real one with ``last_only`` (ragged rows too): the model's own norm and head on them
+    give its logits, and a drafter asking for them (``needs_target_hidden``) gets those that
+    produced each committed token, as from the built-in model."""
+    from test_drafters import HiddenReader
+
+    hf = tiny_hf(family, scale=3.0)
+    model = HFCausalLM(hf)
+    norm, head = next(getattr(hf.base_model, n) for n in ("norm", "final_layer_norm", "ln_f")
+                      if hasattr(hf.base_model, n)), hf.get_output_embeddings()
+    input_ids, mask = ragged_prompts(B=4, P=9, seed=1)
+    lengths = mask.sum(1)
+    right = torch.stack([torch.cat([r[m.bool()], r.new_zeros(9 - int(n))])
+                         for r, m, n in zip(input_ids, mask, lengths, strict=True)])
+    with torch.no_grad():
+        logits, states = model(right, model.new_cache(4, 20), lengths, return_hidden=True)
+        assert states.shape == (4, 9, hf.config.hidden_size)
+        assert_close(head(norm(states)), logits)
+        last_logits, last_states = model(right, model.new_cache(4, 20), lengths, last_only=True, return_hidden=True)
+        assert last_states.shape == (4, 1, hf.config.hidden_size)
+        for b in range(4):
+            assert_close(last_states[b, 0], states[b, int(lengths[b]) - 1])
+            assert_close(last_logits[b, 0], logits[b, int(lengths[b]) - 1])
+    ids = input_ids[:1]
+    drafter = HiddenReader()
+    out = speculative_generate(hf, drafter, ids, max_new_tokens=10, temperature=0, num_draft_tokens=3, adaptive=False)
+    assert torch.equal(out.tokens, generate(hf, ids, max_new_tokens=10, temperature=0).tokens)
+    sequence = torch.cat([ids[0], out.tokens[0]])[None]
+    with torch.no_grad():
+        _, every = model(sequence, model.new_cache(1, sequence.shape[1]), return_hidden=True)
+    position = ids.shape[1] - 1
+    for _, num, seen in drafter.seen:
+        n = int(num[0])
+        # Other batch shapes (one token against the whole sequence) round differently; states reach ~50.
+        torch.testing.assert_close(seen[0, :n], every[0, position: position + n], atol=1e-3, rtol=1e-3)
+        position += n
+    assert position >= ids.shape[1] - 1 + 10
