@@ -277,7 +277,9 @@ def test_sliding_window_attention_past_the_window():
                                            sliding_window=16, max_position_embeddings=64)
     hf_config._attn_implementation = "eager"
     assert LlamaConfig.from_hf(hf_config).sliding_window == 16
+    torch.manual_seed(0)
     hf = transformers.MistralForCausalLM(hf_config).eval()
+    hf.generation_config.eos_token_id = None  # both run all 30 tokens (the config's EOS id is 2)
     model = Llama.from_pretrained(hf)
     tokens = torch.randint(0, 97, (2, 40))
     with torch.no_grad():
