@@ -22,7 +22,6 @@ import torch
 from ._checks import DeviceCheckError, device_check
 from .cache import KVCache
 from .cuda_graphs import GraphedForward
-from .model import Llama
 
 
 @functools.lru_cache(maxsize=64)
@@ -84,12 +83,11 @@ def _hidden_keyword(model, return_hidden: bool) -> dict:
 
 def _use_cuda_graphs(cuda_graphs: bool | None, models, device: torch.device) -> bool:
     """Whether the loop replays its decoding forwards as CUDA graphs (`GraphedForward`): by
-    default on CUDA when every model is known to be capturable (no host synchronization): the
-    built-in `Llama`, and an `HFCausalLM` whose ``capturable`` says so; ``True`` asks for it with
-    any protocol model whose cache is a `KVCache`."""
+    default on CUDA when every model says it is capturable (``capturable`` True: no host
+    synchronization; the built-in `Llama`, and an `HFCausalLM` whose rotary embeddings allow it);
+    ``True`` asks for it with any protocol model whose cache is a `KVCache`."""
     if cuda_graphs is None:
-        return device.type == "cuda" and all(isinstance(m, Llama) or getattr(m, "capturable", False) is True
-                                             for m in models)
+        return device.type == "cuda" and all(getattr(m, "capturable", False) is True for m in models)
     if not isinstance(cuda_graphs, bool):
         raise TypeError(f"cuda_graphs must be None, True or False, got {type(cuda_graphs).__name__}")
     if cuda_graphs and device.type != "cuda":

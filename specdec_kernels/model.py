@@ -172,6 +172,10 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """Llama-family causal LM following the package's model protocol (see the module docstring)."""
 
+    #: Its decoding forwards can be replayed as CUDA graphs (no host synchronization): the loops
+    #: do so by default on CUDA.
+    capturable = True
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

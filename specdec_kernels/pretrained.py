@@ -206,17 +206,14 @@ def smollm2_folder() -> Path:
             cache folder cannot be written or a broken conversion there cannot be replaced; the
             message says what to do.
     """
-    def write(hf_model, tokenizer, gguf: Path, folder: Path) -> None:
-        Llama.from_pretrained(hf_model).save_pretrained(folder)
-        _with_gguf_special_tokens(tokenizer, gguf).save_pretrained(folder)
-
-    return _converted_folder(SMOLLM2_NAME, smollm2_gguf, write)
+    return _converted_folder(SMOLLM2_NAME, smollm2_gguf,
+                             lambda hf_model, folder: Llama.from_pretrained(hf_model).save_pretrained(folder))
 
 
-def _converted_folder(name: str, gguf_file, write) -> Path:
-    """``cache_dir() / name``, converted from the GGUF file ``gguf_file()`` returns by
-    ``write(hf_model, tokenizer, gguf, folder)`` where it is not an intact conversion already
-    (see `smollm2_folder`)."""
+def _converted_folder(name: str, gguf_file, write_model) -> Path:
+    """``cache_dir() / name``, converted from the GGUF file ``gguf_file()`` returns where it is not
+    an intact conversion already (see `smollm2_folder`): ``write_model(hf_model, folder)`` saves
+    the model, then the tokenizer is saved with the special tokens the GGUF file names."""
     folder = cache_dir()
     target = folder / name
     if _is_intact(target) or _adopt_unrecorded(target):
@@ -247,7 +244,8 @@ def _converted_folder(name: str, gguf_file, write) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-tmp-", dir=folder))
         try:
-            write(hf_model, tokenizer, gguf, tmp)
+            write_model(hf_model, tmp)
+            _with_gguf_special_tokens(tokenizer, gguf).save_pretrained(tmp)
             _write_manifest(tmp)
             if not _is_intact(target):  # (without the lock, another process may have finished first)
                 shutil.rmtree(target, ignore_errors=True)  # an incomplete or broken folder
@@ -282,7 +280,7 @@ def gemma3_gguf() -> Path:
 def gemma3_folder() -> Path:
     """A Hugging Face folder with Gemma 3 270M as transformers' ``Gemma3ForCausalLM`` (dequantized
     to float32), converted from the GGUF file and cached on first use, as `smollm2_folder` is."""
-    def write(hf_model, tokenizer, gguf: Path, folder: Path) -> None:
+    def write_model(hf_model, folder: Path) -> None:
         from transformers import AutoModelForCausalLM
 
         # transformers will not save a model it loaded from GGUF (it counts as quantized): the
@@ -292,9 +290,8 @@ def gemma3_folder() -> Path:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(hf_model.state_dict())
         plain.save_pretrained(folder)
-        _with_gguf_special_tokens(tokenizer, gguf).save_pretrained(folder)
 
-    return _converted_folder(GEMMA3_NAME, gemma3_gguf, write)
+    return _converted_folder(GEMMA3_NAME, gemma3_gguf, write_model)
 
 
 def load_gemma3_270m(*, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):

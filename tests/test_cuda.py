@@ -447,7 +447,7 @@ def test_transformers_models_on_cuda_decode_as_transformers_does(family, overrid
     too) and with prompt lookup (fixed K), equal transformers' own greedy ``generate`` on the CPU
     row by row, rows of different lengths and sliding windows included (a first difference only
     where the CPU logits' top-2 gap is within rounding of CUDA's)."""
-    from test_hf_models import tiny_hf
+    from test_hf_models import greedy_case
 
     from specdec_kernels import HFCausalLM, cuda_graphs
 
@@ -455,11 +455,7 @@ def test_transformers_models_on_cuda_decode_as_transformers_does(family, overrid
     capture = cuda_graphs.GraphedForward._capture
     monkeypatch.setattr(cuda_graphs.GraphedForward, "_capture",
                         lambda self, x, q: captures.append(tuple(x.shape)) or capture(self, x, q))
-    hf = tiny_hf(family, scale=3.0, **overrides)
-    draft = tiny_hf(family, seed=5, layers=1, hidden=32, scale=3.0,
-                    **{k: v for k, v in overrides.items() if k != "layer_types"})
-    input_ids, mask = ragged_prompts(B=4, P=9, seed=3)
-    expected = hf.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[:, 9:]
+    hf, draft, input_ids, mask, expected = greedy_case(family, overrides)
     on_cpu = HFCausalLM(hf)
     hf.cuda(), draft.cuda()
     ids, m = input_ids.cuda(), mask.cuda()

@@ -112,16 +112,23 @@ def test_logits_through_our_cache_equal_transformers(family, overrides):
     assert torch.equal(cache.lengths, keep + 1)
 
 
-@pytest.mark.parametrize("family, overrides", FAMILIES)
-def test_greedy_decoding_equals_transformers_generate(family, overrides):
-    """Greedy `generate`, and `speculative_generate` with a smaller random draft of the same
-    family and with prompt lookup (fixed K, so every step verifies drafts), equal transformers'
-    greedy ``generate`` row by row on left-padded prompts."""
+def greedy_case(family: str, overrides: dict):
+    """A random model of ``family``, a smaller one as its draft, ragged left-padded prompts and
+    transformers' own greedy continuation of them (16 tokens): (model, draft, ids, mask, expected)."""
     hf = tiny_hf(family, scale=3.0, **overrides)
     draft = tiny_hf(family, seed=5, layers=1, hidden=32, scale=3.0,
                     **{k: v for k, v in overrides.items() if k != "layer_types"})
     input_ids, mask = ragged_prompts(B=4, P=9, seed=3)
     expected = hf.generate(input_ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[:, 9:]
+    return hf, draft, input_ids, mask, expected
+
+
+@pytest.mark.parametrize("family, overrides", FAMILIES)
+def test_greedy_decoding_equals_transformers_generate(family, overrides):
+    """Greedy `generate`, and `speculative_generate` with a smaller random draft of the same
+    family and with prompt lookup (fixed K, so every step verifies drafts), equal transformers'
+    greedy ``generate`` row by row on left-padded prompts."""
+    hf, draft, input_ids, mask, expected = greedy_case(family, overrides)
     runs = {
         "generate": generate(hf, input_ids, mask, max_new_tokens=16, temperature=0),
         "model draft": speculative_generate(hf, draft, input_ids, mask, num_draft_tokens=3, max_new_tokens=16,
