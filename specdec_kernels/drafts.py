@@ -81,6 +81,12 @@ class Drafter(Protocol):
     committed token but the last; the drafter may write its layers' keys and values past each
     row's length but must leave the lengths as it found them (the target's verification then
     writes over those positions). The loop selects that cache's rows itself.
+
+    A drafter that bounds its model's reads by the committed length (`ModelDraft`,
+    `EarlyExitDraft`) sets ``needs_committed_bound = True``; its `commit` then also receives
+    ``committed_bound=``, a host int >= every row's committed token count after that commit,
+    at most the step's rejected drafts above the longest row (read in the loop's one transfer;
+    a drafter's own sum of step widths would drift further above with every rejection).
     """
 
     def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int) -> None:
@@ -136,6 +142,8 @@ class ModelDraft:
         out = speculative_generate(target, draft, input_ids, max_new_tokens=64)
     """
 
+    needs_committed_bound = True
+
     def __init__(self, model, *, cuda_graphs: bool | None = None, vocab_size: int | None = None) -> None:
         model = as_protocol_model(model)
         _check_model(model, "draft")
@@ -156,7 +164,7 @@ class ModelDraft:
         self.tokens = torch.zeros(B, max_len + 2, dtype=torch.int64, device=device)
         self.tokens[:, :P] = self._readable(input_ids)
         self.committed = q_seqlens.clone()
-        self.longest = P  # host bound on every row's committed count (no sync to tighten it)
+        self.longest = P  # host bound on every row's committed count (the loop's committed_bound tightens it)
         self.unread, self.proposed = 0, False  # host bound on committed tokens not in the cache
         # The prompt's token count, read on the host once before decoding starts, lets the model
         # skip the padding of ragged prompts.
@@ -180,14 +188,15 @@ class ModelDraft:
         self.unread, self.proposed = 0, True
         return DraftProposal(ids, None, draft_logits)
 
-    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor, *, committed_bound: int | None = None
+               ) -> None:
         N = token_ids.shape[1]
         _append(self.tokens, self.committed, self._readable(token_ids), num_tokens)
         # The cache holds the committed tokens it read, then the drafts it proposed; the accepted
         # drafts (num_tokens - 1 of this step's tokens) stay, the rest is cropped.
         self.cache.crop(torch.minimum(self.cache.lengths, self.committed + num_tokens - 1))
         self.committed = self.committed + num_tokens
-        self.longest += N
+        self.longest = _tighter(self.longest + N, committed_bound)
         # After a proposal at most two committed tokens are unread (the last draft, if all were
         # accepted, and the target's token); after a step without one, all N may be.
         self.unread = min(N, 2) if self.proposed else self.unread + N
@@ -241,7 +250,7 @@ class EarlyExitDraft:
         out = speculative_generate(target, EarlyExitDraft(target, 6), input_ids, max_new_tokens=64)
     """
 
-    needs_target_cache = True
+    needs_target_cache = needs_committed_bound = True
 
     def __init__(self, target, num_layers: int, *, cuda_graphs: bool | None = None) -> None:
         truncated = getattr(target, "truncated", None)
@@ -264,7 +273,7 @@ class EarlyExitDraft:
         graphs = _use_cuda_graphs(self.cuda_graphs, (self.model,), input_ids.device)
         self._step = _decoding_forward(self.model, self.cache, "draft", graphs, last_only=True)
         self.last = input_ids.gather(1, (q_seqlens - 1)[:, None])  # [B, 1]: replaced by the first commit
-        self.longest = input_ids.shape[1]  # host bound on every row's committed count (no sync to tighten it)
+        self.longest = input_ids.shape[1]  # host bound on every row's committed count
 
     def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
         start = self.cache.lengths.clone()
@@ -276,12 +285,18 @@ class EarlyExitDraft:
         self.cache.crop(start)
         return DraftProposal(ids[:, 1:], None, torch.stack(logits, 1))
 
-    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor, *, committed_bound: int | None = None
+               ) -> None:
         self.last = token_ids.gather(1, (num_tokens - 1)[:, None])
-        self.longest += token_ids.shape[1]
+        self.longest = _tighter(self.longest + token_ids.shape[1], committed_bound)
 
     def select(self, rows: torch.Tensor) -> None:
         self.last = self.last[rows]  # the loop selects the shared cache's rows
+
+
+def _tighter(own_bound: int, committed_bound: int | None) -> int:
+    """The smaller of a drafter's own host bound on its rows' committed counts and the loop's."""
+    return own_bound if committed_bound is None else min(own_bound, committed_bound)
 
 
 def check_padded_vocabularies(draft_size: int, target_size: int) -> None:

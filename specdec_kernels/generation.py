@@ -555,11 +555,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     with timer("sampler"):
         token = request.sample(logits)
     new, accepted, asked = token[:, None], torch.zeros_like(rows), lengths.choose(host_rows, {})
+    committed_bound = request.prompt.shape[1] + 1  # host bound on every row's committed tokens
     with stream:  # ends the streamer however the loop ends
         while True:
             kept, done = outputs.write(rows, new, accepted + 1, request.eos)
             stream.add(host_rows, kept, new)
-            drafter.commit(new, accepted + 1, **({"hidden_states": states} if hidden else {}))
+            _commit(drafter, new, accepted + 1, states, committed_bound)
             if max(asked) == 0:  # a plain decoding step
                 draft_ids, num_drafts, draft_logits = token.new_zeros(len(asked), 0), torch.zeros_like(rows), None
             else:
@@ -600,12 +601,24 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 with timer("sampler"):
                     new, accepted, token = _accept(request, target_logits, draft_ids, draft_logits, num_drafts, widest)
             cache.crop(start + accepted + 1)
+            committed_bound = longest + widest + 2  # the cache's tokens after the verify, and this step's token
             stats.num_steps[rows] += 1
             stats.num_proposed[rows] += num_drafts
             stats.num_accepted[rows] += accepted
             asked = lengths.choose(host_rows, generated)
     stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
+
+
+def _commit(drafter: Drafter, token_ids: torch.Tensor, num_tokens: torch.Tensor, hidden_states: torch.Tensor | None,
+            committed_bound: int) -> None:
+    """``drafter.commit``, with the keywords its class asks for (`Drafter`)."""
+    extras = {}
+    if getattr(drafter, "needs_target_hidden", False) is True:
+        extras["hidden_states"] = hidden_states
+    if getattr(drafter, "needs_committed_bound", False) is True:
+        extras["committed_bound"] = committed_bound
+    drafter.commit(token_ids, num_tokens, **extras)
 
 
 def _propose(drafter: Drafter, asked: list[int], sample: Callable[[torch.Tensor], torch.Tensor],

@@ -196,21 +196,20 @@ def test_loops_tell_the_model_how_many_tokens_are_real(target):
     assert seen[0] == ids.shape[1] and len(seen) > 1  # the prefill, then ragged verifies
 
 
-@pytest.mark.parametrize("draft", [None, "layers", "prompt_lookup"])
+@pytest.mark.parametrize("draft", [None, "layers", "early-exit", "prompt_lookup"])
 def test_loops_bound_the_cache_lengths_for_the_model(target, draft):
     """Every forward is told max_seqlen, a bound on the rows' cache lengths after the call (read in
     the loop's one transfer per step, over the rows still running): never below them, at most
-    one above the longest row before the call plus the new tokens (the draft's steps after a
-    ragged first one), and exact for plain decoding. Tokens are those of a model that reads the
-    whole (large) capacity."""
+    one step's drafts above the longest row (a draft model's bound may count the drafts the
+    last step rejected, but that slack never adds up over steps), and exact for plain decoding.
+    Tokens are those of a model that reads the whole (large) capacity."""
     calls = []
 
     class Recording(type(target)):
         def forward(self, input_ids, cache, q_seqlens=None, *, last_only=False, num_tokens=None, max_seqlen=None):
-            before = int(cache.lengths.max())
             logits = super().forward(input_ids, cache, q_seqlens, last_only=last_only, num_tokens=num_tokens,
                                      max_seqlen=max_seqlen)
-            calls.append((max_seqlen, before, int(cache.lengths.max()), input_ids.shape[1]))
+            calls.append((max_seqlen, int(cache.lengths.max())))
             return logits
 
     class Unbounded(type(target)):  # the same model without the max_seqlen keyword
@@ -226,20 +225,29 @@ def test_loops_bound_the_cache_lengths_for_the_model(target, draft):
     ids = torch.cat([ids, ids[:, -4:], ids[:, -4:]], 1)  # repeats for prompt lookup to find
     mask = torch.cat([mask, torch.ones(5, 8, dtype=mask.dtype)], 1)
 
-    def run(cls):
+    def run(cls, adaptive=True):
         model = as_(cls, target)
         if draft is None:
             return generate(model, ids, mask, max_new_tokens=10, temperature=0, max_cache_len=200)
-        drafter = as_(cls, target.truncated(1)) if draft == "layers" else draft
-        return speculative_generate(model, drafter, ids, mask, num_draft_tokens=3, max_new_tokens=10,
-                                    temperature=0, max_cache_len=200)
+        if draft == "layers":
+            drafter = as_(cls, target.truncated(1))
+        elif draft == "early-exit":
+            drafter = EarlyExitDraft(model, 1)
+            drafter.model = as_(cls, drafter.model)
+        else:
+            drafter = draft
+        return speculative_generate(model, drafter, ids, mask, num_draft_tokens=K, max_new_tokens=40,
+                                    temperature=0, max_cache_len=200, adaptive=adaptive)
 
-    out = run(Recording)
-    assert len(calls) > 3
-    for bound, before, after, T in calls:
-        assert bound is not None and after <= bound <= before + T + 1, calls
+    K = 3
+    for adaptive in (False, True):  # adaptive lengths add plain steps and narrower drafts
+        calls.clear()
+        out = run(Recording, adaptive)
+        assert len(calls) > 3
+        for bound, after in calls:
+            assert bound is not None and after <= bound <= after + K, calls
     if draft is None:  # one token per row and step: the bound is exact
-        assert all(bound == after for bound, _, after, _ in calls[1:]), calls
+        assert all(bound == after for bound, after in calls[1:]), calls
     assert torch.equal(out.tokens, run(Unbounded).tokens)
 
 
