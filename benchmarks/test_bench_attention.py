@@ -149,3 +149,53 @@ def test_cuda(benchmark, impl, B, T, L, heads, dtype):
     min_bytes = (2 * int(cache_seqlens.sum()) * hkv + 2 * B * T * hq) * d * k.element_size()
     benchmark.extra_info["min_bytes"] = min_bytes
     benchmark.extra_info["GB_per_s"] = min_bytes / benchmark.extra_info["cuda_event_median_ms"] / 1e6
+
+
+def binary_tree_mask(B: int, T: int, device="cpu") -> torch.Tensor:
+    """[B, T, T] ancestor mask of a binary token tree (node i's parent is (i - 1) // 2)."""
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        if i:
+            mask[i] = mask[(i - 1) // 2]
+        mask[i, i] = True
+    return mask.expand(B, T, T).contiguous().to(device)
+
+
+TREE_SHAPES = [pytest.param(B, T, 512, id=f"B{B}-T{T}-L512") for B in (1, 8) for T in (8, 16)]
+
+
+@pytest.mark.parametrize("impl", ["tree", "causal"])
+@pytest.mark.parametrize("B,T,L", TREE_SHAPES)
+def test_cpu_tree_forward_pass(benchmark, impl, B, T, L):
+    """A tree's verification against a chain's at the same shapes: one forward pass's attention
+    (`test_cpu_forward_pass`: a plan built in the timed call, shared by ``NUM_LAYERS`` calls),
+    with a binary tree's ``tree_mask`` or causal. The issue's bound: tree <= 1.1x causal."""
+    q, k, v, cache_seqlens, q_seqlens, _ = make_case(B, T, L, layout="head_major")
+    tree = binary_tree_mask(B, T) if impl == "tree" else None
+
+    def forward_pass():
+        plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=k.shape[1], tree_mask=tree)
+        for _ in range(NUM_LAYERS):
+            out = ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, tree_mask=plan.tree_mask,
+                                   backend="torch", plan=plan)
+        return out
+
+    forward_pass()
+    benchmark.group = f"cpu tree vs causal forward pass ({NUM_LAYERS} layers) B{B}-T{T}-L{L}"
+    benchmark.extra_info["torch_threads"] = torch.get_num_threads()
+    bench(benchmark, forward_pass, rounds=10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["tree", "causal"])
+@pytest.mark.parametrize("B,T,L", [pytest.param(B, T, L, id=f"B{B}-T{T}-L{L}") for B in (1, 8) for T in (8, 16)
+                                   for L in (512, 4096)])
+def test_cuda_tree(benchmark, impl, B, T, L):
+    """The Triton kernel with a binary tree's ``tree_mask`` against causal, same shapes, fp16."""
+    q, k, v, cache_seqlens, q_seqlens, _ = make_case(B, T, L, "cuda", torch.float16)
+    tree = binary_tree_mask(B, T, "cuda") if impl == "tree" else None
+    plan = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, max_len=k.shape[1], tree_mask=tree)
+    call = lambda: ragged_attention(q, k, v, plan.cache_seqlens, plan.q_seqlens, tree_mask=plan.tree_mask,
+                                    backend="triton", plan=plan)
+    benchmark.group = f"cuda tree vs causal B{B}-T{T}-L{L}"
+    bench(benchmark, call, cuda=True)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from specdec_kernels._backend import TRITON_HEAD_DIMS as HEAD_DIMS
 from specdec_kernels._backend import interpreter_enabled, on_input_device
+from specdec_kernels.attention import pack_tree_mask
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
 
@@ -50,7 +51,7 @@ def _num_splits(length, max_splits, min_chunk, BN: tl.constexpr):
 # Integer arguments are never specialized (Triton would otherwise compile separate variants for
 # values equal to 1, such as T in decoding, or divisible by 16): the launched kernels are exactly
 # the registered, compile-checked specializations.
-_FWD_INTS = ["has_q_seqlens", "T", "G", "num_row_blocks", "max_splits", "min_chunk", "window"]
+_FWD_INTS = ["has_q_seqlens", "tree_words", "T", "G", "num_row_blocks", "max_splits", "min_chunk", "window"]
 _MERGE_INTS = ["has_q_seqlens", "T", "G", "max_splits", "min_chunk", "window"]
 
 
@@ -63,12 +64,12 @@ def _first_key(length, n_q, window, BN: tl.constexpr):
 
 @triton.jit(do_not_specialize=_FWD_INTS)
 def _ragged_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, cache_seqlens_ptr, q_seqlens_ptr,
-    has_q_seqlens, T, G, num_row_blocks, max_splits, min_chunk, window, scale_log2e,
+    q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, cache_seqlens_ptr, q_seqlens_ptr, tree_ptr,
+    has_q_seqlens, tree_words, T, G, num_row_blocks, max_splits, min_chunk, window, scale_log2e,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kl, stride_kh,
     stride_vb, stride_vl, stride_vh, stride_ob, stride_ot, stride_oh,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, TREE: tl.constexpr,
 ):
     i_s = tl.program_id(0)
     i_h = tl.program_id(1) // num_row_blocks
@@ -91,7 +92,8 @@ def _ragged_attn_fwd_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m_row = (o_m < G * T) & (o_t < n_q)         # real queries
-    pos = tl.where(m_row, length - n_q + o_t, -1)  # causal limit; -1: attends to nothing
+    new_start = length - n_q                    # the row's first new token
+    pos = tl.where(m_row, new_start + o_t, -1)  # causal limit; -1: attends to nothing
     span = tl.where(window > 0, window, 2147483647)  # the most keys a query sees (no window: all)
 
     o_head = i_h * G + o_g                      # query head of each packed row
@@ -115,7 +117,24 @@ def _ragged_attn_fwd_kernel(
         else:
             b_s = tl.dot(b_q, tl.trans(b_k))
         behind = pos[:, None] - o_n[None, :]  # how far each key lies behind each query
-        b_s = tl.where(m_n[None, :] & (behind >= 0) & (behind < span), b_s * scale_log2e, float("-inf"))
+        keep = m_n[None, :] & (behind >= 0) & (behind < span)
+        if TREE:
+            # New token j = key - new_start is seen iff bit j of the query's packed mask row is
+            # set; the keys before the new tokens are seen by every real query. A block's BN
+            # keys take bits from at most BN // 32 + 1 consecutive words of each row, loaded as
+            # [BM] vectors (none for blocks before the new tokens).
+            j = o_n - new_start
+            jj = tl.maximum(j, 0)
+            first_word = tl.maximum(start - new_start, 0) // 32
+            reaches = m_row & (o_m * 0 + start + BN > new_start)  # [BM] (a scalar mask is not loadable)
+            p_row = tree_ptr + (i_b * T + o_t) * tree_words + first_word
+            bits = tl.zeros([BM, BN], dtype=tl.int32)
+            for w in tl.static_range(BN // 32 + 1):
+                word = tl.load(p_row + w, mask=reaches & (o_m * 0 + first_word + w < tree_words), other=0)
+                in_word = (jj // 32 == first_word + w)[None, :]
+                bits |= tl.where(in_word, (word[:, None] >> (jj % 32)[None, :]) & 1, 0)
+            keep = m_row[:, None] & m_n[None, :] & ((j < 0)[None, :] | (bits != 0))
+        b_s = tl.where(keep, b_s * scale_log2e, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         alpha = tl.exp2(m_i - m_new)
         b_p = tl.exp2(b_s - m_new[:, None])
@@ -214,12 +233,12 @@ def max_tile_rows(dtype: torch.dtype, head_dim: int, max_shared: int | None = No
     return 256 if _SCHED4REG and fits else 128
 
 
-def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: int | None = None
-                     ) -> dict[str, Any]:
+def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: int | None = None,
+                     tree: bool = False) -> dict[str, Any]:
     """Block sizes, warps, stages and other compiler options (``options``, launch keywords) for
     ``rows = G * T`` packed query rows (shared by launcher and registry), on a GPU that gives a
     program ``max_shared`` bytes of shared memory (None: no limit, as on the compile check's
-    sm_80 and sm_90 targets)."""
+    sm_80 and sm_90 targets), for the kernel with a tree mask (``tree``) or without."""
     # One tile of next_pow2(rows) rows (at least 16, the smallest tl.dot), so each K/V tile is
     # loaded once per KV head, up to `max_tile_rows`; more rows take more row blocks, each
     # re-reading K/V. Every size here compiles without spills for sm_80 and sm_90 (the compile
@@ -232,18 +251,24 @@ def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: i
     #   one stage, and LLVM's register-pressure scheduling (``sched4reg``): without it they
     #   spill 8 bytes on sm_80.
     # fp32 tiles are not software-pipelined (2 stages spilled for D = 80 and 96 on sm_80).
-    BM = min(max_tile_rows(dtype, head_dim, max_shared), max(16, triton.next_power_of_2(rows)))
+    # The tree mask's bits take registers too: without a change below, its kernel spills in
+    # fp16 / bf16 tiles of 256 rows at heads wider than 64 (capped at 128 rows), in fp32 tiles of
+    # 32 rows (16 warps, as from 64) and in fp16 / bf16 tiles of 32 rows (32 keys per step).
+    most = max_tile_rows(dtype, head_dim, max_shared)
+    if tree and dtype != torch.float32 and head_dim > 64:
+        most = min(most, 128)
+    BM = min(most, max(16, triton.next_power_of_2(rows)))
     fp32_wide = dtype == torch.float32 and BM >= 32
     half_wide_heads = dtype != torch.float32 and BM >= 256 and head_dim > 64
     BD = max(16, triton.next_power_of_2(head_dim))
     BN = 16 if fp32_wide or half_wide_heads else 32
-    num_warps = 16 if (fp32_wide and BM >= 64) or BM >= 256 else 8
+    num_warps = 16 if (fp32_wide and (BM >= 64 or tree)) or BM >= 256 else 8
     num_stages = 1 if dtype == torch.float32 or half_wide_heads else 2
     if dtype != torch.float32 and BM <= 32:
         # Decoding and short verification tiles stream K/V with little math per byte: more keys
         # per step and more stages in flight keep more loads outstanding, with fewer warps
         # (the GPU measurements are in docs/performance.md).
-        BN, num_warps, num_stages = 64, 4, 3
+        BN, num_warps, num_stages = 32 if tree and BM == 32 else 64, 4, 3
     # The Triton interpreter (3.x) computes bf16 tl.dot wrongly; there, and only there, bf16 tiles
     # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
     dot_f32 = dtype == torch.bfloat16 and interpreter_enabled()
@@ -278,8 +303,9 @@ def _max_splits(batch: int, programs_per_row: int, max_len: int, min_chunk: int,
 @on_input_device
 def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, scale: float, *,
-                            sliding_window: int | None = None, max_splits: int | None = None,
-                            min_chunk: int | None = None, plan: object = None) -> torch.Tensor:
+                            sliding_window: int | None = None, tree_mask: torch.Tensor | None = None,
+                            max_splits: int | None = None, min_chunk: int | None = None,
+                            plan: object = None) -> torch.Tensor:
     """Launch the kernels for validated inputs (see `specdec_kernels.ragged_attention`).
 
     Args:
@@ -288,8 +314,11 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scale: softmax scale.
         sliding_window: the most keys a query sees, or None: each row's key loop then starts at
             the key block of its first query's window (the splits cover only what is visible).
-        plan: the op's `RaggedAttentionPlan`, passed to every backend; unused here (the kernels
-            mask by the lengths themselves, on the device).
+        tree_mask: [B, T, T] bool or None, as in `ragged_attention` (not with a window): read
+            as bits (`specdec_kernels.attention.pack_tree_mask`), and only by the key blocks that
+            reach a row's new tokens.
+        plan: the op's `RaggedAttentionPlan`, passed to every backend: its packed tree mask is
+            used (packed once for every layer); the kernels mask by the lengths themselves.
         max_splits: override the host-side bound on splits per row (tests force 1 or many).
         min_chunk: override the fewest keys per split (rounded up to the key block).
 
@@ -304,7 +333,7 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"backend='triton' supports head_dim in {HEAD_DIMS}, got D={D}; use backend='torch'")
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
     rows = G * T
-    cfg = attention_config(q.dtype, D, rows, _max_shared_memory(q.device))
+    cfg = attention_config(q.dtype, D, rows, _max_shared_memory(q.device), tree=tree_mask is not None)
     BM, BN, BD, num_warps = cfg["BM"], cfg["BN"], cfg["BD"], cfg["num_warps"]
     num_row_blocks = triton.cdiv(rows, BM)
     if min_chunk is None:
@@ -318,6 +347,11 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cache_seqlens = cache_seqlens.to(torch.int64).contiguous()  # the kernels index [B] inputs as contiguous
     has_q = q_seqlens is not None
     q_lens = q_seqlens.to(torch.int64).contiguous() if has_q else cache_seqlens  # not read when has_q is False
+    has_tree = tree_mask is not None
+    if has_tree:
+        tree = plan.tree_bits() if plan is not None else pack_tree_mask(tree_mask)
+    else:  # never read
+        tree = torch.empty(1, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if max_splits > 1:
         o_part = torch.empty(B, Hkv, max_splits, rows, D, dtype=torch.float32, device=q.device)
@@ -325,11 +359,11 @@ def ragged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:  # never written (every row has one split); fp32 so the launch matches the registered signature
         o_part = lse_part = torch.empty(1, dtype=torch.float32, device=q.device)
     _ragged_attn_fwd_kernel[(max_splits, Hkv * num_row_blocks, B)](
-        q, k_cache, v_cache, out, o_part, lse_part, cache_seqlens, q_lens,
-        int(has_q), T, G, num_row_blocks, max_splits, min_chunk, window, scale * _LOG2E,
+        q, k_cache, v_cache, out, o_part, lse_part, cache_seqlens, q_lens, tree,
+        int(has_q), tree.shape[-1], T, G, num_row_blocks, max_splits, min_chunk, window, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        D=D, BM=BM, BN=BN, BD=BD, IEEE=cfg["IEEE"], DOT_F32=cfg["DOT_F32"], num_warps=num_warps,
+        D=D, BM=BM, BN=BN, BD=BD, IEEE=cfg["IEEE"], DOT_F32=cfg["DOT_F32"], TREE=has_tree, num_warps=num_warps,
         num_stages=cfg["num_stages"], **cfg["options"],
     )
     if max_splits > 1:
@@ -348,25 +382,26 @@ def _register() -> None:
     # As Triton's JIT specializes real launches: torch allocations are 16-byte aligned, and every
     # stride is a multiple of D (64, 80, 96 or 128 elements), so of 16.
     pointers = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "o_part_ptr", "lse_part_ptr", "cache_seqlens_ptr",
-                "q_seqlens_ptr")
+                "q_seqlens_ptr", "tree_ptr")
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         ptr = torch_dtype_to_triton(dtype)
-        for D in HEAD_DIMS:
+        for D, tree in ((D, tree) for D in HEAD_DIMS for tree in (False, True)):
             seen = set()
             for rows in (1, 17, 33, 65, 129):  # one packed-row count per tile size the launcher can pick
-                cfg = attention_config(dtype, D, rows)
+                cfg = attention_config(dtype, D, rows, tree=tree)
                 if cfg["BM"] in seen:
                     continue
                 seen.add(cfg["BM"])
                 signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "o_part_ptr": "*fp32",
                              "lse_part_ptr": "*fp32", "cache_seqlens_ptr": "*i64", "q_seqlens_ptr": "*i64",
-                             **{n: "i32" for n in _FWD_INTS}, "scale_log2e": "fp32", **{n: "i32" for n in strides},
-                             "D": "constexpr", "BM": "constexpr", "BN": "constexpr", "BD": "constexpr",
-                             "IEEE": "constexpr", "DOT_F32": "constexpr"}
+                             "tree_ptr": "*i32", **{n: "i32" for n in _FWD_INTS}, "scale_log2e": "fp32",
+                             **{n: "i32" for n in strides}, "D": "constexpr", "BM": "constexpr",
+                             "BN": "constexpr", "BD": "constexpr", "IEEE": "constexpr", "DOT_F32": "constexpr",
+                             "TREE": "constexpr"}
                 constexprs = dict(D=D, BM=cfg["BM"], BN=cfg["BN"], BD=cfg["BD"], IEEE=cfg["IEEE"],
-                                  DOT_F32=False)
+                                  DOT_F32=False, TREE=tree)
                 register(KernelSpec(
-                    f"attention[fwd,{short[dtype]},D={D},BM={cfg['BM']},BN={cfg['BN']}]",
+                    f"attention[fwd{',tree' if tree else ''},{short[dtype]},D={D},BM={cfg['BM']},BN={cfg['BN']}]",
                     _ragged_attn_fwd_kernel, signature, constexprs, num_warps=cfg["num_warps"],
                     num_stages=cfg["num_stages"], options=cfg["options"],
                     aligned=pointers + strides))

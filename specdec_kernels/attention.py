@@ -163,7 +163,7 @@ class RaggedAttentionPlan:
 
     def __init__(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
                  num_queries: int, max_len: int, min_seqlen: int | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, tree_mask: torch.Tensor | None = None) -> None:
         if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dim() != 1:
             raise ValueError(f"cache_seqlens must be a [B] integer tensor, got "
                              f"{getattr(cache_seqlens, 'shape', type(cache_seqlens).__name__)}")
@@ -179,24 +179,35 @@ class RaggedAttentionPlan:
         if q_seqlens is not None:
             check_lengths_tensor("q_seqlens", q_seqlens, B, device, on=f"{device} like cache_seqlens")
         _check_sliding_window(sliding_window)
+        _check_tree_mask(tree_mask, B, num_queries, device, _hiding_window(sliding_window, max_len))
         # Private copies: the masks are built from these values once, so they must not change.
         self._setup(cache_seqlens.clone(), None if q_seqlens is None else q_seqlens.clone(), num_queries, max_len,
-                    None if min_seqlen is None else int(min_seqlen), sliding_window)
+                    None if min_seqlen is None else int(min_seqlen), sliding_window,
+                    None if tree_mask is None else tree_mask.clone())
 
     @classmethod
     def _for_one_call(cls, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, num_queries: int,
-                      max_len: int, sliding_window: int | None) -> RaggedAttentionPlan:
+                      max_len: int, sliding_window: int | None, tree_mask: torch.Tensor | None
+                      ) -> RaggedAttentionPlan:
         """The plan `ragged_attention` makes for itself when given none, from arguments it has
         already checked: used by that call only, so it needs no private copies."""
         plan = cls.__new__(cls)
-        plan._setup(cache_seqlens, q_seqlens, num_queries, max_len, None, sliding_window)
+        plan._setup(cache_seqlens, q_seqlens, num_queries, max_len, None, sliding_window, tree_mask)
         return plan
 
     def _setup(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, num_queries: int,
-               max_len: int, min_seqlen: int | None = None, sliding_window: int | None = None) -> None:
+               max_len: int, min_seqlen: int | None, sliding_window: int | None,
+               tree_mask: torch.Tensor | None) -> None:
         B = cache_seqlens.shape[0]
         _check_ragged_attention_lengths(cache_seqlens, q_seqlens, num_queries, max_len, min_seqlen)
-        self.cache_seqlens, self.q_seqlens = cache_seqlens, q_seqlens
+        if tree_mask is not None:  # every real query sees itself, so none attends to nothing
+            diagonal = tree_mask.diagonal(dim1=1, dim2=2)                               # [B, T]
+            if q_seqlens is not None:
+                diagonal = diagonal | (torch.arange(num_queries, device=diagonal.device) >= q_seqlens.view(B, 1))
+            device_check(diagonal.all(), "tree_mask must be True on the diagonal (each new token sees itself) "
+                                         "for every row's first q_seqlens queries")
+        self.cache_seqlens, self.q_seqlens, self.tree_mask = cache_seqlens, q_seqlens, tree_mask
+        self._tree_bits: torch.Tensor | None = None
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
         self.min_seqlen = min_seqlen or 0  # positions below it hold keys in every row
         self.sliding_window = _hiding_window(sliding_window, max_len)
@@ -206,16 +217,19 @@ class RaggedAttentionPlan:
     @property
     def full(self) -> bool:
         """Whether every row's keys reach the end of the cache view (``min_seqlen == max_len``)
-        and each query sees all of them up to its own (no sliding window hides any)."""
-        return self.min_seqlen == self.max_len and self.sliding_window is None
+        and each query sees all of them up to its own (no sliding window or tree hides any)."""
+        return self.min_seqlen == self.max_len and self.sliding_window is None and self.tree_mask is None
 
     def check_call(self, cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, T: int, Lmax: int,
-                   sliding_window: int | None = None) -> None:
-        """Raise ValueError unless a call's lengths, shapes and window are the ones this plan was
-        made for."""
+                   sliding_window: int | None = None, tree_mask: torch.Tensor | None = None) -> None:
+        """Raise ValueError unless a call's lengths, tree mask, shapes and window are the ones
+        this plan was made for."""
         if cache_seqlens is not self.cache_seqlens or q_seqlens is not self.q_seqlens:
             raise ValueError("plan was made for other cache_seqlens / q_seqlens tensors: pass "
                              "plan.cache_seqlens and plan.q_seqlens")
+        if tree_mask is not self.tree_mask:
+            raise ValueError("plan was made for another tree_mask: pass plan.tree_mask (None for a plan made "
+                             "without one)")
         if (T, Lmax) != (self.num_queries, self.max_len):
             raise ValueError(f"plan was made for T={self.num_queries}, Lmax={self.max_len}; "
                              f"got q with T={T} and a cache with Lmax={Lmax}")
@@ -236,12 +250,32 @@ class RaggedAttentionPlan:
             visible = keys <= last.view(B, 1, T, 1, 1)
             if self.sliding_window is not None:  # and only the window's last keys
                 visible &= keys > (last - self.sliding_window).view(B, 1, T, 1, 1)
+            if self.tree_mask is not None:  # the keys before the new tokens, then the tree's
+                visible = self._tree_visible(n, keys).view(B, 1, T, 1, Lmax)
             score_keep = visible.to(torch.int32).neg_().view(B, 1, T, 1, Lmax)
             score_bias = torch.bitwise_not(score_keep).bitwise_and_(_NEG_INF_BITS).view(torch.float32)
             # With T = 1 every row has its one query (q_seqlens lies in 1..T): nothing to zero.
             padding = None if self.q_seqlens is None or T == 1 else (steps >= n).view(B, 1, T, 1, 1)
             self._masks = TorchMasks(score_keep, score_bias, padding)
         return self._masks
+
+    def _tree_visible(self, n: torch.Tensor | int, keys: torch.Tensor) -> torch.Tensor:
+        """[B, T, Lmax] bool: query t of row b sees key l if l lies before the row's n new tokens
+        (first at ``start = cache_seqlens - n``), or if it is new token j = l - start, a valid
+        key, and ``tree_mask[b, t, j]``."""
+        B, T, Lmax = self.batch_size, self.num_queries, self.max_len
+        start = self.cache_seqlens.view(B, 1) - n                                      # [B, 1]
+        j = keys - start                                                                # [B, Lmax]
+        in_tree = self.tree_mask.gather(2, j.clamp(0, T - 1).view(B, 1, Lmax).expand(B, T, Lmax))
+        new_key = (j >= 0) & (keys < self.cache_seqlens.view(B, 1))
+        return torch.where(new_key.view(B, 1, Lmax), in_tree, (j < 0).view(B, 1, Lmax))
+
+    def tree_bits(self) -> torch.Tensor:
+        """The tree mask packed as the Triton kernel reads it (`pack_tree_mask`), packed on the
+        first call; the plan must have a tree mask."""
+        if self._tree_bits is None:
+            self._tree_bits = pack_tree_mask(self.tree_mask)
+        return self._tree_bits
 
     def value_keep(self) -> torch.Tensor:
         """[B, 1, Lmax, 1] int32: all ones (-1) on each row's valid keys, 0 beyond (the CPU path's
@@ -251,9 +285,10 @@ class RaggedAttentionPlan:
         if self._value_keep is None:
             B, Lmax = self.batch_size, self.max_len
             reusable = self.num_queries == 1 or self.q_seqlens is None
-            if self._masks is not None and reusable and self.sliding_window is None:
+            if self._masks is not None and reusable and self.sliding_window is None and self.tree_mask is None:
                 # Each row's last query sees exactly its valid keys: its score mask is this mask
-                # (not with a window, which hides the first keys from the last query only).
+                # (not with a window, which hides the first keys from the last query only, nor
+                # with a tree, which may hide new tokens from it).
                 self._value_keep = self._masks.score_keep[:, :, -1].view(B, 1, Lmax, 1)
             else:
                 valid = torch.arange(Lmax, device=self.cache_seqlens.device) < self.cache_seqlens.view(B, 1)
@@ -357,9 +392,10 @@ def _probs_times_values(probs: torch.Tensor, v_cache: torch.Tensor, plan: Ragged
 
 def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None, *, scale: float,
-                            sliding_window: int | None, plan: RaggedAttentionPlan) -> torch.Tensor:
+                            sliding_window: int | None, tree_mask: torch.Tensor | None,
+                            plan: RaggedAttentionPlan) -> torch.Tensor:
     """Vectorized, sync-free CPU path (works on any device). Arguments as in `ragged_attention`;
-    the lengths and the window are read through ``plan`` (made for them)."""
+    the lengths, the window and the tree mask are read through ``plan`` (made for them)."""
     B, T, Hq, D = q.shape
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -397,7 +433,8 @@ _RAGGED_ATTENTION = Dispatch(
 
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
-                     scale: float | None = None, sliding_window: int | None = None, backend: str = "auto",
+                     scale: float | None = None, sliding_window: int | None = None,
+                     tree_mask: torch.Tensor | None = None, backend: str = "auto",
                      plan: RaggedAttentionPlan | None = None) -> torch.Tensor:
     """Causal GQA attention of T new queries per row over a ragged KV cache.
 
@@ -405,6 +442,10 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``0 .. position`` of row b (causal, bottom-right aligned), or with ``sliding_window`` W to the
     last W of them, ``position - W + 1 .. position`` (Mistral's and Gemma's local layers). Keys at
     or beyond ``cache_seqlens[b]`` are never used, whatever they hold (NaN included).
+
+    With a ``tree_mask`` the new tokens need not form a chain: query i sees every key before the
+    row's new tokens and new token j iff ``tree_mask[b, i, j]`` (a token tree's ancestors, or
+    any other pattern: SpecInfer / Medusa / EAGLE trees, lookahead decoding's branches).
 
     Args:
         q: [B, T, Hq, D] float32 / float16 / bfloat16: T new query tokens per row (padded when a
@@ -416,6 +457,12 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q_seqlens: [B] integer in ``1 .. T``: real queries per row; None means T for every row.
         scale: softmax scale, default ``1 / sqrt(D)``.
         sliding_window: W >= 1, the most keys a query sees (itself included), or None for all.
+        tree_mask: [B, T, T] bool on ``q``'s device, or None (causal among the new tokens):
+            which of its row's new tokens each query sees (their keys are the last
+            ``q_seqlens[b]`` of the row's prefix, in order; columns ``j >= q_seqlens[b]`` are
+            ignored). Must be True on the diagonal of every real query (checked on the device).
+            Not with a ``sliding_window`` that hides keys (a tree token's distance to the keys
+            before it is its depth, which the mask does not give).
         backend: ``"auto"`` (Triton on CUDA for head dims 64, 80, 96 and 128, torch elsewhere),
             ``"reference"``, ``"torch"`` or ``"triton"``.
         plan: a `RaggedAttentionPlan` for these ``cache_seqlens`` / ``q_seqlens`` (the same
@@ -427,7 +474,15 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Raises:
         ValueError: a shape, head count, dtype or device mismatch, naming the argument; on CPU
-            also out-of-range lengths (`DeviceCheckError`); on CUDA those are device asserts.
+            also out-of-range lengths or a tree mask's missing diagonal (`DeviceCheckError`); on
+            CUDA those are device asserts.
+
+    Example::
+
+        # Row 0 verifies a tree: token 0, then two children of it (1 and 2), each seeing only
+        # its own ancestors among the new tokens.
+        tree = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+        out = ragged_attention(q, k_cache, v_cache, cache_seqlens, tree_mask=tree)  # q: [1, 3, Hq, D]
     """
     _, T, _, D, Lmax, _ = _check_ragged_attention_shapes(q, k_cache, v_cache, cache_seqlens, q_seqlens)
     backend = resolve_backend(backend, q.device, head_dim=D)
@@ -438,12 +493,13 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if plan is not None:
         if not isinstance(plan, RaggedAttentionPlan):
             raise ValueError(f"plan must be a RaggedAttentionPlan or None, got {type(plan).__name__}")
-        plan.check_call(cache_seqlens, q_seqlens, T, Lmax, sliding_window)
+        plan.check_call(cache_seqlens, q_seqlens, T, Lmax, sliding_window, tree_mask)
     if plan is None:  # checks the lengths' values, whatever the backend
-        plan = RaggedAttentionPlan._for_one_call(cache_seqlens, q_seqlens, T, Lmax, sliding_window)
+        _check_tree_mask(tree_mask, q.shape[0], T, q.device, _hiding_window(sliding_window, Lmax))
+        plan = RaggedAttentionPlan._for_one_call(cache_seqlens, q_seqlens, T, Lmax, sliding_window, tree_mask)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return _RAGGED_ATTENTION[backend](q, k_cache, v_cache, cache_seqlens, q_seqlens, scale=scale,
-                                      sliding_window=plan.sliding_window, plan=plan)
+                                      sliding_window=plan.sliding_window, tree_mask=tree_mask, plan=plan)
 
 
 def _hiding_window(sliding_window: int | None, max_len: int) -> int | None:
@@ -454,3 +510,34 @@ def _hiding_window(sliding_window: int | None, max_len: int) -> int | None:
 def _check_sliding_window(sliding_window) -> None:
     if sliding_window is not None and (not is_int(sliding_window) or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+
+
+def _check_tree_mask(tree_mask, batch: int, num_queries: int, device: torch.device, window: int | None) -> None:
+    """Host-side checks of a ``tree_mask`` argument (its diagonal is checked on the device)."""
+    if tree_mask is None:
+        return
+    if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool:
+        got = tree_mask.dtype if isinstance(tree_mask, torch.Tensor) else type(tree_mask).__name__
+        raise ValueError(f"tree_mask must be a bool tensor [B, T, T] or None, got {got}")
+    if tuple(tree_mask.shape) != (batch, num_queries, num_queries):
+        raise ValueError(f"tree_mask must have shape [B, T, T] = {[batch, num_queries, num_queries]}, got "
+                         f"{list(tree_mask.shape)}")
+    if tree_mask.device != device:
+        raise ValueError(f"tree_mask must be on {device} like q, got {tree_mask.device}")
+    if window is not None:
+        raise ValueError(f"tree_mask cannot be combined with sliding_window={window}, which hides keys of "
+                         "this cache view: a tree token's distance to the keys before it is its depth, "
+                         "which the mask does not give")
+
+
+def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool -> [B, T, ceil(T / 32)] int32, the layout the Triton kernel reads: bit
+    ``j % 32`` of word ``j // 32`` of query i's row is ``tree_mask[b, i, j]`` (bit 31 is the
+    sign bit). No host synchronization."""
+    B, T, _ = tree_mask.shape
+    words = -(-T // 32)
+    padded = torch.zeros(B, T, words * 32, dtype=torch.int64, device=tree_mask.device)
+    padded[..., :T] = tree_mask
+    weights = torch.ones(32, dtype=torch.int64, device=tree_mask.device) << torch.arange(32, device=tree_mask.device)
+    packed = (padded.view(B, T, words, 32) * weights).sum(-1)                   # 0 .. 2**32 - 1
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)

@@ -75,6 +75,27 @@ def _append_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Ten
 _APPEND = Dispatch(reference=_append_torch, torch=_append_torch, triton="specdec_kernels.kernels.cache:append_triton")
 
 
+def _compact_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, keep: torch.Tensor, num_keep: torch.Tensor,
+                   start: torch.Tensor) -> None:
+    """`KVCache.compact` of one layer on the torch backend: the kept entries gathered, then
+    written at their new positions. Entries past ``num_keep`` repeat the row's last kept one
+    (same position, same value: ``index_put_`` stays deterministic); a row keeping nothing
+    writes its entry at ``start`` onto itself."""
+    B, T = keep.shape
+    max_len = k_cache.shape[1]
+    last = torch.minimum(torch.arange(T, device=keep.device), (num_keep[:, None] - 1).clamp(min=0))  # [B, T]
+    source = torch.where(num_keep[:, None] > 0, keep.gather(1, last), 0)
+    rows = torch.arange(B, device=keep.device)[:, None].expand(B, T)
+    source = (start[:, None] + source).clamp(max=max_len - 1)
+    target = (start[:, None] + last).clamp(max=max_len - 1)
+    for cache in (k_cache, v_cache):
+        cache.index_put_((rows, target), cache[rows, source])
+
+
+_COMPACT = Dispatch(reference=_compact_torch, torch=_compact_torch,
+                    triton="specdec_kernels.kernels.cache:compact_triton")
+
+
 class CacheAllocationError(ValueError, MemoryError):
     """The cache's buffers could not be allocated (a ValueError naming the sizes; also a
     MemoryError, as the refusal it stands for)."""
@@ -256,6 +277,70 @@ class KVCache:
                      "KVCache.crop: new_lengths must lie in 0..lengths for every row "
                      "(crop cannot grow a row)")
         self.lengths.copy_(new)
+        self.version += 1
+
+    def compact(self, keep: torch.Tensor, num_keep: torch.Tensor, *, start: torch.Tensor | None = None,
+                backend: str = "auto") -> None:
+        """Keep some of each row's last appended entries, moved together: the accepted path of a
+        verified token tree, or lookahead decoding's accepted n-gram.
+
+        Row b's appended entries begin at ``start[b]`` (default ``lengths[b] - T``: every row
+        appended all T). Its entries ``start[b] + keep[b, i]`` for ``i < num_keep[b]`` move, in
+        order, to positions ``start[b] + i`` in every layer, and ``lengths[b]`` becomes
+        ``start[b] + num_keep[b]``. Entries already in place (a kept prefix) are not copied.
+
+        Args:
+            keep: [B, T] int64: indices into each row's appended entries, strictly increasing
+                over its first ``num_keep[b]`` (a path from a tree's root, nodes in topological
+                order); the rest is ignored.
+            num_keep: [B] integer in ``0 .. T``.
+            start: [B] integer: each row's length before the append (the forward's
+                ``cache.lengths`` before it ran), or None for ``lengths - T``.
+            backend: ``"auto"`` (a Triton kernel on CUDA for head dims 64, 80, 96 and 128, one
+                launch per layer; torch elsewhere), ``"torch"``, ``"triton"``; ``"reference"``
+                means ``"torch"``.
+
+        Raises:
+            ValueError: bad shapes, dtypes or devices; out-of-range or unordered indices raise
+                `DeviceCheckError` (a ValueError) on CPU and are device-side asserts on CUDA
+                (checked before anything moves; no host synchronization).
+
+        Example::
+
+            start = cache.lengths.clone()
+            model(tree_tokens, cache, tree_mask=tree)    # appends T entries per row
+            cache.compact(path, path_length, start=start)  # keep the accepted path only
+        """
+        B = self.batch_size
+        if not isinstance(keep, torch.Tensor) or keep.dim() != 2 or keep.shape[0] != B or keep.shape[1] < 1:
+            raise ValueError(f"keep must be a [B={B}, T] int64 tensor, got "
+                             f"{list(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__}")
+        if keep.dtype != torch.int64 or keep.device != self.device:
+            raise ValueError(f"keep must be int64 on the cache's device {self.device}, got {keep.dtype} on "
+                             f"{keep.device}")
+        T = keep.shape[1]
+        if T > self.max_len:
+            raise ValueError(f"keep has T={T} entries per row, more than max_len={self.max_len}")
+        check_lengths_tensor("num_keep", num_keep, B, self.device, on=f"the cache's device {self.device}")
+        if start is None:
+            start = self.lengths - T
+        else:
+            check_lengths_tensor("start", start, B, self.device, on=f"the cache's device {self.device}")
+        start, num_keep = start.to(torch.int64), num_keep.to(torch.int64)
+        steps = torch.arange(T, device=self.device)
+        real = steps < num_keep[:, None]
+        ordered = (keep[:, 1:] > keep[:, :-1]) | ~real[:, 1:]
+        in_range = (keep >= 0) & (keep < self.lengths[:, None] - start[:, None])
+        device_check(((num_keep >= 0) & (num_keep <= T) & (start >= 0) & (start <= self.lengths)).all()
+                     & (in_range | ~real).all() & ordered.all(),
+                     f"KVCache.compact: num_keep must lie in 0..T={T}, start in 0..lengths, and each row's "
+                     "first num_keep indices of keep must increase strictly within its appended entries "
+                     "(start .. lengths - 1)")
+        keep = torch.where(real, keep, steps)  # ignored entries stay where they are
+        backend = resolve_backend(backend, self.device, head_dim=self.head_dim)
+        for layer in range(self.num_layers):
+            _COMPACT[backend](self.k[layer], self.v[layer], keep, num_keep, start)
+        self.lengths.copy_(start + num_keep)
         self.version += 1
 
     def select(self, rows: torch.Tensor) -> KVCache:

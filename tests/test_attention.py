@@ -36,9 +36,10 @@ def make_inputs(B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype=torch.float32, see
     return [x.to(device) if x is not None else None for x in (q, k, v, cache_seqlens, q_seqlens)]
 
 
-def dense_oracle(q, k, v, cache_seqlens, q_seqlens, scale=None, window=None):
+def dense_oracle(q, k, v, cache_seqlens, q_seqlens, scale=None, window=None, tree_mask=None):
     """Independent oracle: SDPA in float64 on each row's valid prefix, queries cut to the real ones
-    (with ``window``, each query's mask keeps its last ``window`` keys)."""
+    (with ``window``, each query's mask keeps its last ``window`` keys; with ``tree_mask``, every
+    key before the row's new tokens, then the new tokens the tree mask gives)."""
     B, T, Hq, D = q.shape
     G = Hq // k.shape[2]
     out = torch.zeros(B, T, Hq, D, dtype=torch.float64)
@@ -52,6 +53,8 @@ def dense_oracle(q, k, v, cache_seqlens, q_seqlens, scale=None, window=None):
         mask = torch.arange(L)[None, :] <= positions
         if window is not None:
             mask &= torch.arange(L)[None, :] > positions - window
+        if tree_mask is not None:
+            mask = torch.cat([mask[:, : L - n], tree_mask[b, :n, :n]], 1)
         out[b, :n] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale).transpose(0, 1)
     return out
 

@@ -53,8 +53,9 @@ def _registered(prefix: str) -> set[str]:
 
 def test_attention_launches_are_the_registered_specializations(monkeypatch):
     """Tile sizes, warps, stages and compiler options of every attention launch (1 to 240 packed
-    rows, every dtype and head dim, with and without a 99 KB shared-memory limit) are registered
-    specs, and every registered spec is launched by one of these inputs."""
+    rows, every dtype and head dim, with and without a 99 KB shared-memory limit, with and
+    without a tree mask) are registered specs, and every registered spec is launched by one of
+    these inputs."""
     from specdec_kernels.kernels import attention as kernels
 
     recorder = LaunchRecorder(monkeypatch, kernels, "_ragged_attn_fwd_kernel", "_ragged_attn_merge_kernel")
@@ -66,26 +67,30 @@ def test_attention_launches_are_the_registered_specializations(monkeypatch):
                 q, k, v = torch.zeros(1, T, G, D, dtype=dtype), *torch.zeros(2, 1, 128, 1, D, dtype=dtype)
                 for max_shared in (None, SHARED_MEMORY_LIMITS[86]):
                     monkeypatch.setattr(kernels, "_max_shared_memory", lambda device, limit=max_shared: limit)
-                    for q_seqlens in (None, torch.tensor([T])):
+                    for q_seqlens, tree in ((None, None), (torch.tensor([T]), None),
+                                            (None, torch.ones(1, T, T, dtype=torch.bool))):
                         for max_splits in (1, 2):  # forward only; forward and merge
                             kernels.ragged_attention_triton(q, k, v, torch.tensor([128]), q_seqlens, 0.1,
-                                                            max_splits=max_splits, min_chunk=32)
-    assert len(recorder.launches) == 3 * len(kernels.HEAD_DIMS) * 7 * 2 * 2 * 3
+                                                            tree_mask=tree, max_splits=max_splits, min_chunk=32)
+    assert len(recorder.launches) == 3 * len(kernels.HEAD_DIMS) * 7 * 2 * 3 * 3
     assert assert_all_registered(recorder.launches) == _registered("attention[")
 
 
 def test_cache_append_launches_are_the_registered_specializations(monkeypatch):
-    """Every cache append (each dtype and head dim, with and without counts) is a registered spec."""
+    """Every cache append (each dtype and head dim, with and without counts) and compaction is a
+    registered spec."""
     from specdec_kernels.kernels import cache as kernels
 
-    recorder = LaunchRecorder(monkeypatch, kernels, "_kv_append_kernel")
+    recorder = LaunchRecorder(monkeypatch, kernels, "_kv_append_kernel", "_kv_compact_kernel")
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for D in kernels.HEAD_DIMS:
             k_cache, v_cache = torch.zeros(2, 2, 16, 3, D, dtype=dtype)
             for T, q_seqlens in ((1, None), (5, None), (5, torch.tensor([5, 2], dtype=torch.int32))):
                 k_new, v_new = torch.zeros(2, 2, T, 3, D, dtype=dtype)
                 kernels.append_triton(k_cache, v_cache, k_new, v_new, torch.tensor([3, 0]), q_seqlens)
-    assert len(recorder.launches) == 3 * len(kernels.HEAD_DIMS) * 3
+            kernels.compact_triton(k_cache, v_cache, torch.tensor([[0, 2], [1, 0]]), torch.tensor([2, 1]),
+                                   torch.tensor([3, 0]))
+    assert len(recorder.launches) == 3 * len(kernels.HEAD_DIMS) * 4
     assert assert_all_registered(recorder.launches) == _registered("cache[")
 
 

@@ -4,7 +4,8 @@ Same signature as `specdec_kernels.ragged_attention` (without ``backend``; input
 checked, as the op does before it dispatches). It reads like the definition: query i of row b
 sits at position ``cache_seqlens[b] - q_seqlens[b] + i`` and attends, with an explicit boolean
 mask, to keys ``0 .. position`` of its own row (the last ``sliding_window`` of them, with a
-window); rows ``i >= q_seqlens[b]`` are zero. Only the
+window; with a ``tree_mask``, to the keys before the row's new tokens and to new token j iff
+``tree_mask[b, i, j]``); rows ``i >= q_seqlens[b]`` are zero. Only the
 valid prefix of each cache row is ever sliced, so whatever lies beyond ``cache_seqlens[b]``
 cannot reach the output. Speed is not a goal. Imports torch and einops only.
 """
@@ -20,7 +21,7 @@ from einops import einsum, rearrange
 def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, q_seqlens: torch.Tensor | None = None, *,
                      scale: float | None = None, sliding_window: int | None = None,
-                     plan: object = None) -> torch.Tensor:
+                     tree_mask: torch.Tensor | None = None, plan: object = None) -> torch.Tensor:
     """Causal (bottom-right aligned) GQA attention of T new queries per row over a ragged cache.
 
     Args:
@@ -33,6 +34,9 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale: softmax scale, default ``1 / sqrt(D)``.
         sliding_window: W >= 1: the query at position p sees only keys ``p - W + 1 .. p``;
             None: keys ``0 .. p``.
+        tree_mask: [B, T, T] bool or None: query i of row b sees every key before the row's
+            ``q_seqlens[b]`` new tokens (the last keys of its prefix) and new token j iff
+            ``tree_mask[b, i, j]`` (None: j <= i, causal). Not with ``sliding_window``.
         plan: the op's `RaggedAttentionPlan`; unused (the reference builds its masks row by row).
 
     Returns:
@@ -51,6 +55,8 @@ def ragged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         positions = length - n + torch.arange(n, device=q.device)               # [n]
         keys = torch.arange(length, device=q.device)[None, :]
         mask = keys <= positions[:, None]                                        # [n, L]
+        if tree_mask is not None:  # the new tokens (keys length - n ..) as the tree says
+            mask = torch.cat([mask[:, : length - n], tree_mask[b, :n, :n].to(q.device)], 1)
         if sliding_window is not None:
             mask &= keys > positions[:, None] - sliding_window
         scores = einsum(qb, kb, "h g t d, l h d -> h g t l") * scale
