@@ -29,7 +29,7 @@ import triton.language as tl
 
 from specdec_kernels._backend import TRITON_HEAD_DIMS as HEAD_DIMS
 from specdec_kernels._backend import interpreter_enabled, on_input_device
-from specdec_kernels.attention import pack_tree_mask
+from specdec_kernels._tree_mask import pack_tree_mask
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
 

@@ -29,6 +29,7 @@ from .sampling import (
     rejection_sample_logits,
     sample_logits,
 )
+from .tree_sampling import TreeRejectionOutput, tree_rejection_sample
 
 __version__ = "0.1.0"
 
@@ -49,6 +50,7 @@ __all__ = [
     "KVCache",
     "RejectionNoise",
     "RejectionOutput",
+    "TreeRejectionOutput",
     "__version__",
     "auto_backend",
     "first_rejection_index",
@@ -64,6 +66,7 @@ __all__ = [
     "resolve_backend",
     "sample_logits",
     "speculative_generate",
+    "tree_rejection_sample",
     "triton_available",
 ]
 
