@@ -57,11 +57,18 @@ class DraftProposal:
             ``sample`` function `Drafter.propose` is given), in the target's dtype; None for
             deterministic proposals (n-gram, greedy, oracle): the draft distribution is then
             one-hot on the proposed token.
+        parents: [B, K] int64, or None for a chain: the tokens form a tree in topological
+            order, token i continuing token ``parents[b, i] < i``, or the row's last committed
+            token (-1). The target verifies the tree in one forward (`ragged_attention`'s
+            ``tree_mask``; the built-in `Llama` takes it) and keeps the longest path it accepts
+            (`tree_rejection_sample`: siblings with logits must have been sampled independently,
+            each from its own row of ``logits``). A row cut to fewer tokens keeps the first ones.
     """
 
     token_ids: torch.Tensor
     num_tokens: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -403,11 +410,12 @@ class PromptLookupDraft:
 
 
 def _checked_proposal(drafter, proposal, batch_size: int, asked: int, target_logits: torch.Tensor, check
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(token_ids [B, k], num_tokens [B], logits [B, k, V] or None)`` of ``drafter``'s answer to
-    ``propose(asked, ...)``, checked: shapes, dtypes and devices on the host, ids in [0, V) and
-    counts in 0..k on the device (`_LogitsCheck.flag` under "drafter": raised at once on CPU, at the
-    step's transfer on CUDA, where out-of-range values are made harmless until then)."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(token_ids [B, k], num_tokens [B], logits [B, k, V] or None, parents [B, k] or None)`` of
+    ``drafter``'s answer to ``propose(asked, ...)``, checked: shapes, dtypes and devices on the
+    host, ids in [0, V), counts in 0..k and parents in -1..i-1 on the device
+    (`_LogitsCheck.flag` under "drafter": raised at once on CPU, at the step's transfer on CUDA,
+    where out-of-range values are made harmless until then)."""
     name = type(drafter).__name__
     device, V = target_logits.device, target_logits.shape[-1]
     if not isinstance(proposal, DraftProposal):
@@ -433,12 +441,24 @@ def _checked_proposal(drafter, proposal, batch_size: int, asked: int, target_log
                else type(logits).__name__)
         raise ValueError(f"drafter {name} proposed logits {got}; they must be None or {target_logits.dtype} "
                          f"[{batch_size}, {k}, {V}] on {device} like the target's")
-    bad_ids = ((ids < 0) | (ids >= V)) & (torch.arange(k, device=device) < num[:, None])
-    bad = bad_ids.any() | ((num < 0) | (num > k)).any()
-    check.flag("drafter", bad, f"drafter {name} proposed token ids outside [0, {V}) or num_tokens outside "
-                               f"0..{k} (the width of its token_ids)")
+    parents = proposal.parents
+    if parents is not None and not (isinstance(parents, torch.Tensor) and parents.dtype == torch.int64
+                                    and parents.shape == ids.shape and parents.device == device):
+        got = (f"{parents.dtype} {list(parents.shape)} on {parents.device}" if isinstance(parents, torch.Tensor)
+               else type(parents).__name__)
+        raise ValueError(f"drafter {name} proposed parents {got}; they must be None or int64 {list(ids.shape)} "
+                         f"on {device} like its token_ids")
+    steps = torch.arange(k, device=device)
+    real = steps < num[:, None]
+    bad = (((ids < 0) | (ids >= V)) & real).any() | ((num < 0) | (num > k)).any()
+    if parents is not None:
+        bad |= (((parents < -1) | (parents >= steps)) & real).any()
+    check.flag("drafter", bad, f"drafter {name} proposed token ids outside [0, {V}), num_tokens outside "
+                               f"0..{k} (the width of its token_ids) or parents outside -1..i-1")
     if check.deferred:  # harmless until the step's transfer raises
         num = num.clamp(0, k)
+        real = steps < num[:, None]
+    if parents is not None:  # padding nodes hang from the root, never read
+        parents = torch.where(real, parents.clamp(-1, k - 1).minimum(steps - 1), -1)
     # Padding is fed to the target with the drafts (and never kept): make it a valid id.
-    real = torch.arange(k, device=device) < num[:, None]
-    return torch.where(real, ids.clamp(0, V - 1) if check.deferred else ids, 0), num, logits
+    return torch.where(real, ids.clamp(0, V - 1) if check.deferred else ids, 0), num, logits, parents

@@ -39,8 +39,11 @@ import torch
 from ._checks import is_int, is_real
 from ._draft_lengths import DraftLengths
 from ._model_calls import (
+    _accepts,
     _check_model,
     _decoding_forward,
+    _forward,
+    _hidden_keyword,
     _last_logits,
     _LogitsCheck,
     _new_cache,
@@ -51,6 +54,7 @@ from ._model_calls import (
 from ._sampling_checks import check_sampling_params
 from .drafts import Drafter, ModelDraft, PromptLookupDraft, _checked_proposal
 from .sampling import rejection_sample_logits, sample_logits
+from .tree_sampling import tree_rejection_sample
 
 # --------------------------------------------------------------------------- results
 
@@ -541,6 +545,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     graphs = _use_cuda_graphs(cuda_graphs, (target,), device) and not hidden
     verify = check.checked("target model", V, _decoding_forward(target, cache, "target", graphs, last_only=False,
                                                                    return_hidden=hidden))
+    verify_tree = lambda tree: check.checked("target model", V, _tree_forward(target, tree, hidden))
     sample_draft = lambda logits: request.sample(check("draft model", V, logits))
 
     with timer("prefill"):
@@ -562,11 +567,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             stream.add(host_rows, kept, new)
             _commit(drafter, new, accepted + 1, states, committed_bound)
             if max(asked) == 0:  # a plain decoding step
-                draft_ids, num_drafts, draft_logits = token.new_zeros(len(asked), 0), torch.zeros_like(rows), None
+                draft_ids, num_drafts, draft_logits, parents = token.new_zeros(len(asked), 0), torch.zeros_like(rows), \
+                    None, None
             else:
                 stats.draft_calls += 1
                 with timer("draft"):
-                    draft_ids, num_drafts, draft_logits = _propose(drafter, asked, sample_draft, logits, check)
+                    draft_ids, num_drafts, draft_logits, parents = _propose(drafter, asked, sample_draft, logits, check)
             # The one transfer: finished rows, bounds for the verify forward, this step's drafts and
             # the last step's acceptance (for the draft lengths), the streamer's tokens.
             running, (longest, shortest, widest, fewest, total, drafted, accepted_list, generated,
@@ -580,8 +586,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             drafted, generated = (dict(zip(host_rows, values, strict=True)) for values in (drafted, generated))
             if len(running) < len(rows):
                 keep = _host_list_to(running, device)
-                rows, token, draft_ids, num_drafts, draft_logits = (
-                    None if t is None else t[keep] for t in (rows, token, draft_ids, num_drafts, draft_logits))
+                rows, token, draft_ids, num_drafts, draft_logits, parents = (
+                    None if t is None else t[keep] for t in (rows, token, draft_ids, num_drafts, draft_logits, parents))
                 cache, host_rows = cache.select(keep), [host_rows[i] for i in running]
                 drafter.select(keep)
             b = len(rows)
@@ -593,14 +599,20 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 with timer("target"):
                     start = cache.lengths.clone()
                     ragged = fewest < widest  # rows with fewer drafts: the model may skip their padding
-                    out = verify(torch.cat([token[:, None], draft_ids[:, :widest]], 1), cache,
-                                 num_drafts + 1 if ragged else None, b + total if ragged else None,
-                                 max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
+                    tree = None if parents is None or widest == 0 else _ancestor_mask(parents[:, :widest])
+                    out = (verify if tree is None else verify_tree(tree))(
+                        torch.cat([token[:, None], draft_ids[:, :widest]], 1), cache, num_drafts + 1 if ragged else None,
+                        b + total if ragged else None, max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
                     target_logits, states = out if hidden else (out, None)
                 stats.target_forwards += 1
                 with timer("sampler"):
-                    new, accepted, token = _accept(request, target_logits, draft_ids, draft_logits, num_drafts, widest)
-            cache.crop(start + accepted + 1)
+                    new, accepted, token, kept = _accept(request, target_logits, draft_ids, draft_logits, num_drafts,
+                                                         widest, None if tree is None else parents)
+            if kept is None:
+                cache.crop(start + accepted + 1)
+            else:  # the accepted path's entries, moved behind the row's previous length
+                cache.compact(kept, accepted + 1, start=start)
+                states = None if states is None else states.gather(1, kept[..., None].expand(*kept.shape, states.shape[-1]))
             committed_bound = longest + widest + 2  # the cache's tokens after the verify, and this step's token
             stats.num_steps[rows] += 1
             stats.num_proposed[rows] += num_drafts
@@ -624,12 +636,34 @@ def _commit(drafter: Drafter, token_ids: torch.Tensor, num_tokens: torch.Tensor,
 def _propose(drafter: Drafter, asked: list[int], sample: Callable[[torch.Tensor], torch.Tensor],
              logits_like: torch.Tensor, check: _LogitsCheck) -> tuple:
     """The drafter's proposal (checked) with each row's count cut to ``asked`` (0 .. K, host ints,
-    not all 0): ids [b, max(asked)], counts [b] and draft logits or None."""
-    ids, num, logits = _checked_proposal(drafter, drafter.propose(max(asked), sample), len(asked), max(asked),
-                                         logits_like, check)
+    not all 0; a tree keeps the first nodes of its topological order): ids [b, max(asked)],
+    counts [b], draft logits or None, and the tree's parents or None."""
+    ids, num, logits, parents = _checked_proposal(drafter, drafter.propose(max(asked), sample), len(asked),
+                                                  max(asked), logits_like, check)
     if min(asked) < max(asked):
         num = torch.minimum(num, _host_list_to(asked, num.device))
-    return ids, num, logits
+    return ids, num, logits, parents
+
+
+def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[b, K+1, K+1] bool: the verify input's token 0 (the row's last committed token) and draft
+    i (input i + 1, child of input ``parents[:, i] + 1``) each see themselves and their ancestors."""
+    b, K = parents.shape
+    mask = torch.eye(K + 1, dtype=torch.bool, device=parents.device).repeat(b, 1, 1)
+    rows = torch.arange(b, device=parents.device)
+    for i in range(K):  # parents come first: their rows are complete
+        mask[:, i + 1] |= mask[rows, parents[:, i] + 1]
+    return mask
+
+
+def _tree_forward(target, tree: torch.Tensor, hidden: bool) -> Callable:
+    """The target's verify forward over a token tree (eager: no CUDA graph records a tree)."""
+    if not _accepts(target, "tree_mask"):
+        raise TypeError(f"the drafter proposed a token tree (DraftProposal.parents), but "
+                        f"{type(target).__name__}.forward takes no tree_mask keyword; use the built-in Llama")
+    return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: _forward(
+        target, ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, min_seqlen=min_seqlen, tree_mask=tree,
+        **_hidden_keyword(target, hidden))
 
 
 def _check_speculation_options(num_draft_tokens: int, adaptive: bool) -> None:
@@ -640,19 +674,28 @@ def _check_speculation_options(num_draft_tokens: int, adaptive: bool) -> None:
 
 
 def _accept(request: _Request, target_logits: torch.Tensor, draft_ids: torch.Tensor,
-            draft_logits: torch.Tensor | None, num_drafts: torch.Tensor, widest: int
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            draft_logits: torch.Tensor | None, num_drafts: torch.Tensor, widest: int, parents: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A verified step's new tokens [b, widest + 1] (each row's accepted drafts, then the target's
-    own token), the drafts each row accepted [b] and its last token [b]: `rejection_sample_logits`
-    over the drafts, or a plain sample from the target where no row drafted."""
+    own token), the drafts each row accepted [b], its last token [b] and, for a tree, the verify
+    input's positions to keep [b, widest + 1] (token 0, then the accepted path's nodes):
+    `rejection_sample_logits` over a chain, `tree_rejection_sample` over a tree (``parents``), or
+    a plain sample from the target where no row drafted."""
     if widest == 0:
         token = request.sample(target_logits[:, 0])
-        return token[:, None], torch.zeros_like(token), token
+        return token[:, None], torch.zeros_like(token), token, None
+    if parents is not None:
+        result = tree_rejection_sample(target_logits, None if draft_logits is None else draft_logits[:, :widest],
+                                       draft_ids[:, :widest], parents[:, :widest], num_drafts, **request.sampling,
+                                       generator=request.generator)
+        new, accepted = result.token_ids.clamp(min=0), result.num_accepted
+        kept = torch.cat([torch.zeros_like(accepted)[:, None], result.path + 1], 1)
+        return new, accepted, new.gather(1, accepted[:, None])[:, 0], kept
     result = rejection_sample_logits(target_logits, None if draft_logits is None else draft_logits[:, :widest],
                                      draft_ids[:, :widest], num_drafts, **request.sampling,
                                      generator=request.generator, validate=False)
     new, accepted = result.token_ids.clamp(min=0), result.num_accepted
-    return new, accepted, new.gather(1, accepted[:, None])[:, 0]
+    return new, accepted, new.gather(1, accepted[:, None])[:, 0], None
 
 
 def _host_list_to(values: list[int], device: torch.device) -> torch.Tensor:

@@ -141,7 +141,8 @@ class Attention(nn.Module):
         plan = step.attention
         S = plan.max_len  # positions attention reads: the cache's capacity or a bound on the lengths
         out = ragged_attention(qk[:, :, :H], cache.k[layer][:, :S], cache.v[layer][:, :S], plan.cache_seqlens,
-                               plan.q_seqlens, sliding_window=plan.sliding_window, plan=plan)
+                               plan.q_seqlens, sliding_window=plan.sliding_window, tree_mask=plan.tree_mask,
+                               plan=plan)
         return self.wo(step.pack(out.reshape(B, T, H * D)))
 
 
@@ -217,7 +218,7 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
                 last_only: bool = False, num_tokens: int | None = None, max_seqlen: int | None = None,
-                min_seqlen: int | None = None, return_hidden: bool = False
+                min_seqlen: int | None = None, return_hidden: bool = False, tree_mask: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
 
@@ -242,6 +243,11 @@ class Llama(nn.Module):
                 when it equals the positions read (one row, ``max_seqlen`` exact), all of them.
             return_hidden: also return the last layer's hidden states, before the final norm
                 (what EAGLE-style draft heads read; see `specdec_kernels.Drafter`).
+            tree_mask: [B, T, T] bool, or None (a chain): the new tokens form a tree, each
+                attending to the cache and to the new tokens its row of the mask gives (its
+                ancestors and itself; `ragged_attention`). A token's position (for the rotary
+                embedding) is then the row's cache length plus its depth: the number of new
+                tokens it sees, minus one. Not with a sliding window.
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
@@ -250,24 +256,31 @@ class Llama(nn.Module):
         """
         with self.weights_lock.shared():
             return self._forward(input_ids, cache, q_seqlens, last_only, num_tokens, max_seqlen, min_seqlen,
-                                 return_hidden)
+                                 return_hidden, tree_mask)
 
     def _forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None, last_only: bool,
-                 num_tokens: int | None, max_seqlen: int | None, min_seqlen: int | None, return_hidden: bool
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 num_tokens: int | None, max_seqlen: int | None, min_seqlen: int | None, return_hidden: bool,
+                 tree_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         if B != cache.batch_size:
             raise ValueError(f"input_ids has {B} rows but the cache has {cache.batch_size}")
-        positions = cache.lengths[:, None] + torch.arange(T, device=input_ids.device)  # [B, T]
+        if tree_mask is None:
+            positions = cache.lengths[:, None] + torch.arange(T, device=input_ids.device)  # [B, T]
+        elif not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool:
+            raise ValueError(f"tree_mask must be a [B, T, T] bool tensor or None, got {tree_mask!r}")
+        else:  # a tree token sits at its depth; the attention plan checks the mask's shape
+            seen = tree_mask if q_seqlens is None else tree_mask & (
+                torch.arange(T, device=input_ids.device) < q_seqlens.view(-1, 1, 1))  # real tokens only
+            positions = cache.lengths[:, None] + seen.sum(-1) - 1
         cos, sin = self.rope_angles(positions)
         append = cache.plan_append(T, q_seqlens)  # validates q_seqlens
         q_seqlens = append.q_seqlens
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
         attention = RaggedAttentionPlan(cache_seqlens, q_seqlens, num_queries=T, min_seqlen=min_seqlen,
                                         max_len=positions_read(cache_seqlens, max_seqlen, T, cache.max_len),
-                                        sliding_window=self.config.sliding_window)
+                                        sliding_window=self.config.sliding_window, tree_mask=tree_mask)
         packed = self._real_tokens(q_seqlens, num_tokens, B, T)
         step = _Step(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
         x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])

@@ -1,0 +1,106 @@
+"""Speculative decoding with token trees: a drafter returning ``DraftProposal.parents`` is
+verified as a tree in one target forward (tree-masked attention, positions by depth), the
+accepted path kept with `KVCache.compact`; greedy output equals plain greedy decoding whatever
+the tree; a target that cannot take a tree is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels import DraftProposal, PromptLookupDraft, generate, speculative_generate
+from specdec_kernels.testing import OracleDraft
+
+from tiny_models import V, ragged_prompts, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama()
+
+
+class OracleTree(OracleDraft):
+    """The known continuation as a tree: every right token has a wrong elder sibling (its token
+    plus one), so the accepted path is the right nodes: nodes 1, 3, 5, ... of a proposal."""
+
+    def propose(self, num_tokens: int, sample):
+        right = super().propose((num_tokens + 1) // 2, sample).token_ids          # [B, ceil(k / 2)]
+        B = right.shape[0]
+        ids = torch.stack([(right + 1) % V, right], -1).flatten(1)[:, :num_tokens]
+        node = torch.arange(num_tokens)
+        parents = torch.where(node < 2, -1, (node // 2) * 2 - 1).expand(B, -1).contiguous()
+        return DraftProposal(ids, None, None, parents)
+
+
+class RandomTree:
+    """Random tokens under random parents (a hostile tree)."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def prefill(self, input_ids, q_seqlens, max_len):
+        self.B = input_ids.shape[0]
+
+    def propose(self, num_tokens, sample):
+        ids = torch.randint(0, V, (self.B, num_tokens), generator=self.gen)
+        parents = torch.stack([torch.randint(-1, max(i, 0), (self.B,), generator=self.gen) if i else
+                               torch.full((self.B,), -1) for i in range(num_tokens)], 1)
+        return DraftProposal(ids, torch.randint(0, num_tokens + 1, (self.B,), generator=self.gen), None, parents)
+
+    def commit(self, token_ids, num_tokens):
+        pass
+
+    def select(self, rows):
+        self.B = rows.shape[0]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_oracle_tree_keeps_its_right_branch(target, adaptive):
+    ids, mask = ragged_prompts(B=4)
+    plain = generate(target, ids, mask, max_new_tokens=21, temperature=0)
+    truth = generate(target, ids, mask, max_new_tokens=21 + 8, temperature=0).tokens
+    spec = speculative_generate(target, OracleTree(truth), ids, mask, num_draft_tokens=6, max_new_tokens=21,
+                                temperature=0, adaptive=adaptive)
+    assert torch.equal(spec.tokens, plain.tokens)
+    if not adaptive:  # the 3 right nodes of 6 accepted every step, then the target's own token
+        assert torch.equal(spec.stats.num_accepted, 3 * spec.stats.num_steps)
+        assert spec.stats.tokens_per_target_forward > 3.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_random_tree_cannot_change_greedy_output(target, seed):
+    ids, mask = ragged_prompts(B=5, seed=seed)
+    plain = generate(target, ids, mask, max_new_tokens=16, temperature=0)
+    spec = speculative_generate(target, RandomTree(seed), ids, mask, num_draft_tokens=5, max_new_tokens=16,
+                                temperature=0, adaptive=False)
+    assert torch.equal(spec.tokens, plain.tokens)
+
+
+def test_sampling_with_a_tree_is_seeded_and_in_range(target):
+    ids, mask = ragged_prompts(B=3)
+    truth = generate(target, ids, mask, max_new_tokens=20, temperature=0).tokens
+    runs = [speculative_generate(target, OracleTree(truth), ids, mask, num_draft_tokens=4, max_new_tokens=12,
+                                 temperature=0.8, seed=5, adaptive=False).tokens for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert ((runs[0] >= 0) & (runs[0] < V)).all()
+
+
+def test_a_target_without_tree_mask_is_refused(target):
+    class ChainOnly(type(target)):
+        def forward(self, input_ids, cache, q_seqlens=None, *, last_only=False):
+            return super().forward(input_ids, cache, q_seqlens, last_only=last_only)
+
+    chain_only = ChainOnly.__new__(ChainOnly)
+    chain_only.__dict__ = target.__dict__
+    ids, mask = ragged_prompts(B=2)
+    truth = generate(target, ids, mask, max_new_tokens=12, temperature=0).tokens
+    with pytest.raises(TypeError, match="tree_mask"):
+        speculative_generate(chain_only, OracleTree(truth), ids, mask, num_draft_tokens=4, max_new_tokens=8,
+                             temperature=0, adaptive=False)
+
+
+def test_prompt_lookup_is_a_chain_by_default():
+    context = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 0, 0]])
+    proposal = PromptLookupDraft()
+    proposal.prefill(context, torch.tensor([7]), 16)
+    assert proposal.propose(3, None).parents is None
