@@ -600,19 +600,16 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                     start = cache.lengths.clone()
                     ragged = fewest < widest  # rows with fewer drafts: the model may skip their padding
                     tree = None if parents is None or widest == 0 else _ancestor_mask(parents[:, :widest])
-                    out = (verify if tree is None else verify_tree(tree))(
-                        torch.cat([token[:, None], draft_ids[:, :widest]], 1), cache, num_drafts + 1 if ragged else None,
-                        b + total if ragged else None, max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
+                    forward = verify if tree is None else verify_tree(tree)
+                    out = forward(torch.cat([token[:, None], draft_ids[:, :widest]], 1), cache,
+                                  num_drafts + 1 if ragged else None, b + total if ragged else None,
+                                  max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
                     target_logits, states = out if hidden else (out, None)
                 stats.target_forwards += 1
                 with timer("sampler"):
                     new, accepted, token, kept = _accept(request, target_logits, draft_ids, draft_logits, num_drafts,
                                                          widest, None if tree is None else parents)
-            if kept is None:
-                cache.crop(start + accepted + 1)
-            else:  # the accepted path's entries, moved behind the row's previous length
-                cache.compact(kept, accepted + 1, start=start)
-                states = None if states is None else states.gather(1, kept[..., None].expand(*kept.shape, states.shape[-1]))
+            states = _keep_accepted(cache, start, accepted, kept, states)
             committed_bound = longest + widest + 2  # the cache's tokens after the verify, and this step's token
             stats.num_steps[rows] += 1
             stats.num_proposed[rows] += num_drafts
@@ -643,6 +640,18 @@ def _propose(drafter: Drafter, asked: list[int], sample: Callable[[torch.Tensor]
     if min(asked) < max(asked):
         num = torch.minimum(num, _host_list_to(asked, num.device))
     return ids, num, logits, parents
+
+
+def _keep_accepted(cache, start: torch.Tensor, accepted: torch.Tensor, kept: torch.Tensor | None,
+                   states: torch.Tensor | None) -> torch.Tensor | None:
+    """Keep the verify input's last committed token and accepted drafts in the target's cache:
+    a chain's prefix (a crop), or a tree's path ``kept`` (moved behind ``start``, the lengths
+    before the verify); returns the hidden states at the kept positions (or None)."""
+    if kept is None:
+        cache.crop(start + accepted + 1)
+        return states
+    cache.compact(kept, accepted + 1, start=start)
+    return None if states is None else states.gather(1, kept[..., None].expand(*kept.shape, states.shape[-1]))
 
 
 def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
