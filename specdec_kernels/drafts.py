@@ -326,18 +326,30 @@ class PromptLookupDraft:
     rows without a match propose nothing that step. Proposals are deterministic (no draft
     logits), so verification accepts a draft exactly when the target would sample it.
 
+    With ``branches`` > 1 it proposes a token tree: the continuations of up to ``branches``
+    earlier occurrences (the most recent first, longest n-grams first, distinct start points),
+    merged where they agree (a trie), so a wrong guess of the most recent occurrence still
+    leaves the others to be accepted. The tree's nodes are ordered by ``depth * (branch + 1)``:
+    the most recent continuation goes deepest, the later ones less deep, within the
+    ``num_tokens`` the loop asks for (`tree_rejection_sample` verifies it).
+
     Example::
 
         out = speculative_generate(target, PromptLookupDraft(max_ngram=3), input_ids, max_new_tokens=64)
+        trees = speculative_generate(target, PromptLookupDraft(branches=3), input_ids, max_new_tokens=64,
+                                     num_draft_tokens=7)
     """
 
     max_ngram: int = 3
     min_ngram: int = 1
+    branches: int = 1
 
     def __post_init__(self) -> None:
         if not (is_int(self.min_ngram) and is_int(self.max_ngram) and 1 <= self.min_ngram <= self.max_ngram):
             raise ValueError(f"min_ngram and max_ngram must be ints with 1 <= min_ngram <= max_ngram, got "
                              f"{self.min_ngram!r}, {self.max_ngram!r}")
+        if not is_int(self.branches) or self.branches < 1:
+            raise ValueError(f"branches must be an int >= 1, got {self.branches!r}")
 
     def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int) -> None:
         B, P = input_ids.shape
@@ -347,6 +359,8 @@ class PromptLookupDraft:
         self.lengths = q_seqlens.clone()
 
     def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
+        if self.branches > 1:
+            return DraftProposal(*self.lookup_tree(self.context[:, :-1], self.lengths, num_tokens))
         ids, num = self.lookup(self.context[:, :-1], self.lengths, num_tokens)
         return DraftProposal(ids, num, None)
 
@@ -407,6 +421,59 @@ class PromptLookupDraft:
         offsets = torch.arange(k, device=device)
         ids = context.gather(1, (start[:, None] + offsets).clamp(max=L - 1))
         return torch.where(offsets < num[:, None], ids, 0), num
+
+    def lookup_tree(self, context: torch.Tensor, context_lengths: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
+        """Propose a tree of up to ``k`` nodes per row from the continuations of up to
+        ``branches`` earlier occurrences of the last n-gram, sync-free (stateless; arguments as
+        in `lookup`).
+
+        Returns:
+            ``(token_ids [B, k], num_tokens [B], None, parents [B, k])``, the fields of a
+            `DraftProposal`: nodes in topological order, -1 for children of the last token.
+        """
+        B, L = context.shape
+        device, m = context.device, self.branches
+        starts, valid = [], []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):  # candidates, longest n-grams first
+            if n >= L:
+                continue
+            tail = context.gather(1, (context_lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
+            match = (context.unfold(1, n, 1) == tail[:, None, :]).all(-1)
+            positions = torch.arange(L - n + 1, device=device)
+            match &= (positions[None, :] + n < context_lengths[:, None]) & (context_lengths >= n + 1)[:, None]
+            latest = torch.where(match, positions, -1).topk(min(m, L - n + 1), dim=1).values  # most recent first
+            starts.append(latest + n)
+            valid.append(latest >= 0)
+        if not starts:
+            zeros = torch.zeros(B, k, dtype=torch.int64, device=device)
+            return zeros, zeros[:, 0], None, zeros - 1
+        start, ok = torch.cat(starts, 1), torch.cat(valid, 1)                    # [B, C]
+        C = start.shape[1]
+        earlier = torch.ones(C, C, dtype=torch.bool, device=device).tril(-1)     # [j, i]: i < j
+        ok &= ~((start[:, :, None] == start[:, None, :]) & ok[:, None, :] & earlier).any(-1)  # distinct starts
+        order = torch.where(ok, torch.arange(C, device=device), C).argsort(1)[:, :m]
+        start, ok = start.gather(1, order), ok.gather(1, order)                  # [B, m'] valid ones first
+        m = start.shape[1]
+        depth = torch.arange(k, device=device)
+        cont = context.gather(1, (start[:, :, None] + depth).clamp(max=L - 1).view(B, -1)).view(B, m, k)
+        real = ok[:, :, None] & (start[:, :, None] + depth < context_lengths[:, None, None])   # [B, m, k]
+        # owner[b, c, d]: the first branch whose continuation agrees with branch c's up to depth d.
+        same = (cont[:, :, None] == cont[:, None, :]) & real[:, :, None] & real[:, None, :]       # [B, c', c, k]
+        same = same.cumprod(-1).bool() & torch.ones(m, m, dtype=torch.bool, device=device).triu()[:, :, None]
+        owner = same.int().argmax(1)                                                             # [B, m, k]
+        branch = torch.arange(m, device=device)[:, None]
+        new = real & (owner == branch)
+        key = torch.where(new, (depth * (branch + 1)) * (m * k) + branch * k + depth, 2**62).view(B, -1)
+        nodes = key.argsort(1)[:, :k]                                                            # [B, k]
+        num = new.view(B, -1).sum(1).clamp(max=k)
+        rank = torch.empty_like(key).scatter_(1, key.argsort(1), torch.arange(m * k, device=device).expand(B, -1))
+        parent_slot = (owner.gather(2, (depth - 1).clamp(min=0).expand(B, m, k)) * k + depth - 1).view(B, -1)
+        parent = torch.where((depth > 0).expand(B, m, k).reshape(B, -1), rank.gather(1, parent_slot.clamp(min=0)), -1)
+        real_node = torch.arange(k, device=device) < num[:, None]
+        ids = torch.where(real_node, cont.view(B, -1).gather(1, nodes), 0)
+        parents = torch.where(real_node, parent.gather(1, nodes), -1)
+        return ids, num, None, parents
 
 
 def _checked_proposal(drafter, proposal, batch_size: int, asked: int, target_logits: torch.Tensor, check

@@ -56,16 +56,19 @@ class TreeRejectionOutput(NamedTuple):
 def _tree_rejection_sample_torch(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
                                  token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor | None,
                                  *, temperature: torch.Tensor, top_k: int | None, top_p: float | None,
-                                 greedy: torch.Tensor, noise: RejectionNoise
+                                 greedy: torch.Tensor, noise: RejectionNoise | None, all_greedy: bool = False
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Vectorized over rows: one pass over the node indices, each testing node i in the rows
-    whose current node is its parent. Sync-free."""
+    whose current node is its parent. Sync-free. When every row is greedy (``greedy`` all True
+    on the host's knowledge: ``all_greedy``), only the argmaxes are computed."""
     B, N1, V = target_logits.shape
     N, device = N1 - 1, target_logits.device
     n = torch.full((B,), N, dtype=torch.int64, device=device) if num_nodes is None else num_nodes.to(torch.int64)
+    argmax = target_logits.argmax(-1)                                                         # [B, N+1]
+    if all_greedy:
+        return _greedy_walk(argmax, token_ids, parents, n)
     p = process_logits(target_logits, temperature, top_k, top_p).float()                     # [B, N+1, V]
     q = None if draft_logits is None else process_logits(draft_logits, temperature, top_k, top_p).float()
-    argmax = target_logits.argmax(-1)                                                         # [B, N+1]
     ids = token_ids.to(torch.int64).clamp(0, V - 1)
     node = torch.full((B,), -1, dtype=torch.int64, device=device)
     depth = torch.zeros(B, dtype=torch.int64, device=device)
@@ -99,12 +102,32 @@ def _tree_rejection_sample_torch(target_logits: torch.Tensor, draft_logits: torc
     token = _draw(residual, noise.uniform)
     token = torch.where(greedy, argmax.gather(1, (node + 1)[:, None]).squeeze(1), token)
     path = path[:, :N]
-    steps = torch.arange(N + 1, device=device)
-    path_ids = ids.gather(1, path.clamp(min=0)) if N else ids
-    out = torch.where(steps[:N][None, :] < depth[:, None], path_ids, -1) if N else path_ids
-    out = torch.cat([out, torch.full((B, 1), -1, dtype=torch.int64, device=device)], 1)
-    out = torch.where(steps[None, :] == depth[:, None], token[:, None], out)
-    return out, depth, path
+    return _emitted(ids, path, depth, token), depth, path
+
+
+def _greedy_walk(argmax: torch.Tensor, token_ids: torch.Tensor, parents: torch.Tensor, n: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row greedy: follow the first child equal to the target's argmax ``argmax``
+    [B, N+1] at the current node, then emit the argmax there."""
+    B, N = token_ids.shape
+    node = torch.full((B,), -1, dtype=torch.int64, device=argmax.device)
+    depth = torch.zeros_like(node)
+    path = torch.full((B, N + 1), -1, dtype=torch.int64, device=argmax.device)
+    for i in range(N):
+        accept = (parents[:, i] == node) & (i < n) & (token_ids[:, i] == argmax.gather(1, (node + 1)[:, None])[:, 0])
+        path.scatter_(1, depth[:, None], torch.where(accept[:, None], i, path.gather(1, depth[:, None])))
+        node, depth = torch.where(accept, i, node), depth + accept.long()
+    token = argmax.gather(1, (node + 1)[:, None])[:, 0]
+    return _emitted(token_ids, path[:, :N], depth, token), depth, path[:, :N]
+
+
+def _emitted(token_ids: torch.Tensor, path: torch.Tensor, depth: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """``[B, N+1]``: the path's tokens, then ``token``, then -1."""
+    B, N = token_ids.shape
+    steps = torch.arange(N + 1, device=token_ids.device)
+    out = torch.cat([token_ids.gather(1, path.clamp(min=0)), token_ids.new_full((B, 1), -1)], 1)
+    out = torch.where(steps < depth[:, None], out, -1)
+    return torch.where(steps == depth[:, None], token[:, None], out)
 
 
 def _draw(w: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -122,7 +145,7 @@ def _draw(w: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (c * C + i).squeeze(1).clamp_max(V - 1)
 
 
-_TREE_REJECTION_SAMPLE = Dispatch(
+_TREE_REJECTION_SAMPLE = Dispatch(  # no kernel yet: "triton" runs the torch path
     reference="specdec_kernels.reference.tree_sampling:tree_rejection_sample",
     torch=_tree_rejection_sample_torch,
     triton=_tree_rejection_sample_torch,
@@ -206,6 +229,7 @@ def tree_rejection_sample(
             raise ValueError(f"num_nodes must be a [B] = [{B}] integer tensor, got {list(num_nodes.shape)} "
                              f"{num_nodes.dtype}")
         n = num_nodes.to(torch.int64)
+    all_greedy = greedy is True or (not isinstance(temperature, torch.Tensor) and temperature == 0)
     temperature = check_sampling_params(temperature, top_k, top_p, B, device)
     temperature = temperature if isinstance(temperature, torch.Tensor) else torch.full((B,), float(temperature),
                                                                                        device=device)
@@ -226,10 +250,15 @@ def tree_rejection_sample(
     if draft_logits is not None:
         device_check((draft_logits.amax(-1).isfinite() | ~real).all(),
                      "draft_logits: a node's row has no finite largest value (NaN, +inf or only -inf)")
-    if noise is None:
-        noise = make_rejection_noise(B, N, generator=generator, seed=seed, device=device)
     if backend not in ("auto", "reference", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'reference', 'torch' or 'triton', got {backend!r}")
-    impl = _TREE_REJECTION_SAMPLE["reference" if backend == "reference" else "torch"]
-    return TreeRejectionOutput(*impl(target_logits, draft_logits, token_ids, parents, num_nodes,
-                                     temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, noise=noise))
+    if backend == "reference":
+        noise = noise or make_rejection_noise(B, N, generator=generator, seed=seed, device=device)
+        return TreeRejectionOutput(*_TREE_REJECTION_SAMPLE["reference"](
+            target_logits, draft_logits, token_ids, parents, num_nodes, temperature=temperature, top_k=top_k,
+            top_p=top_p, greedy=greedy, noise=noise))
+    if not all_greedy and noise is None:  # every row greedy: no random number is drawn
+        noise = make_rejection_noise(B, N, generator=generator, seed=seed, device=device)
+    return TreeRejectionOutput(*_tree_rejection_sample_torch(
+        target_logits, draft_logits, token_ids, parents, num_nodes, temperature=temperature, top_k=top_k,
+        top_p=top_p, greedy=greedy, noise=noise, all_greedy=all_greedy))

@@ -104,3 +104,28 @@ def test_prompt_lookup_is_a_chain_by_default():
     proposal = PromptLookupDraft()
     proposal.prefill(context, torch.tensor([7]), 16)
     assert proposal.propose(3, None).parents is None
+
+
+def test_prompt_lookup_tree_merges_the_continuations_of_earlier_occurrences():
+    #                      0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    context = torch.tensor([[5, 6, 1, 2, 5, 6, 1, 3, 5, 6, 7, 8, 5, 6, 0, 0]])
+    # [5, 6] occurred at 8, 4 and 0: continuations 7 8 5 6 / 1 3 5 6 .. / 1 2 5 6 .. (sharing the 1)
+    ids, num, logits, parents = PromptLookupDraft(max_ngram=2, branches=3).lookup_tree(context, torch.tensor([14]), 6)
+    assert logits is None and num.tolist() == [6]
+    # by depth * (branch + 1): 7 and 1 (roots), 8, then 5 (after 8) and 3 (after 1), then 6
+    assert ids.tolist() == [[7, 1, 8, 5, 3, 6]]
+    assert parents.tolist() == [[-1, -1, 0, 2, 1, 3]]
+    none, zero, _, _ = PromptLookupDraft(branches=2).lookup_tree(torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]), 3)
+    assert zero.tolist() == [0]
+
+
+@pytest.mark.parametrize("branches", [2, 4])
+def test_prompt_lookup_trees_keep_greedy_output(target, branches):
+    ids, mask = ragged_prompts(B=4, seed=1)
+    ids = torch.cat([ids, ids[:, -6:], ids[:, -6:]], 1)  # repeats for the lookup to find
+    mask = torch.cat([mask, torch.ones(4, 12, dtype=mask.dtype)], 1)
+    plain = generate(target, ids, mask, max_new_tokens=24, temperature=0)
+    spec = speculative_generate(target, PromptLookupDraft(branches=branches), ids, mask, num_draft_tokens=7,
+                                max_new_tokens=24, temperature=0, adaptive=False)
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert spec.stats.num_accepted.sum() > 0
