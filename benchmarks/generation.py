@@ -320,6 +320,49 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
             f"of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
+def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), branches=(2, 4), repeats: int = 3,
+                pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                random_weights: str | None = None) -> str:
+    """Token trees against chains at equal verify width: prompt lookup as a chain
+    (`PromptLookupDraft`) and as trees of its earlier occurrences' continuations
+    (``branches=``), ``width - 1`` drafts each (fixed lengths), and our plain generate; every
+    method ``repeats`` times, interleaved; a markdown table of medians plus the machine line.
+    Columns: tokens per target forward (tree / chain), wall-clock speedups over plain and over
+    the chain."""
+    from benchmarks.timing import machine_line
+
+    torch.manual_seed(0)
+    setup = load_setup(pack, device, dtype, random_weights)
+    lines = []
+    for B in batch_sizes:
+        methods = {"plain": (None, 4)}
+        for width in widths:
+            for b in (1, *branches):
+                methods[width, b] = (PromptLookupDraft(branches=b), width - 1)
+        for draft, k in methods.values():  # warm-up
+            run_ours(setup, B, 4, draft, k, False)
+        runs = {name: [] for name in methods}
+        for _ in range(repeats):
+            for name, (draft, k) in methods.items():
+                runs[name].append(_timed(setup, run_ours, B, max_new_tokens, draft, k, False))
+        median = {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}
+        plain_s = median["plain"][0]
+        for width in widths:
+            chain_s, chain = median[width, 1]
+            chain_tpf = chain.stats.tokens_per_target_forward
+            lines.append(f"| {B} | {width} | chain | {chain_tpf:.2f} | | {plain_s / chain_s:.2f}x | |")
+            for b in branches:
+                tree_s, tree = median[width, b]
+                tpf = tree.stats.tokens_per_target_forward
+                lines.append(f"| {B} | {width} | tree, {b} branches | {tpf:.2f} | {tpf / chain_tpf:.2f}x | "
+                             f"{plain_s / tree_s:.2f}x | {chain_s / tree_s:.2f}x |")
+    header = ("| batch | verify width | prompt lookup | tokens per target forward | tree / chain | vs plain | "
+              "vs chain |\n|---|---|---|---|---|---|---|")
+    return (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+            f"{max_new_tokens} new tokens per row, fixed draft lengths, median of {repeats} interleaved runs\n"
+            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+
+
 def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3,
                     device: str = "cpu", dtype: torch.dtype = torch.float32,
                     cuda_graphs: bool = True, random_weights: str | None = None) -> str:
@@ -389,7 +432,13 @@ if __name__ == "__main__":
                              "for machines without the model (timings only)")
     parser.add_argument("--hf-models", action="store_true",
                         help="our loops driving transformers' own model and draft against transformers' generation")
+    parser.add_argument("--trees", action="store_true",
+                        help="prompt-lookup trees against chains at equal verify width (no HF runs)")
     args = parser.parse_args()
+    if args.trees:
+        print(trees_table(args.max_new_tokens, tuple(args.batch_sizes), repeats=args.repeats, pack=not args.no_pack,
+                          device=args.device, dtype=getattr(torch, args.dtype), random_weights=args.random_weights))
+        raise SystemExit(0)
     if args.hf_models:
         print(hf_models_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, device=args.device,
                               dtype=getattr(torch, args.dtype), cuda_graphs=not args.no_cuda_graphs,

