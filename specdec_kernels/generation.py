@@ -14,7 +14,9 @@ positions instead of the cache's capacity) and ``min_seqlen=`` (a host int <= ev
 length after a decoding call, read in the same transfer; with one row it equals ``max_seqlen``:
 see `RaggedAttentionPlan`). A fifth, ``return_hidden=True`` (return ``(logits, hidden states
 [B, T, H])``, the last layer's before the final norm), is needed only for a drafter that reads
-the target's features (`Drafter`, ``needs_target_hidden``).
+the target's features (`Drafter`, ``needs_target_hidden``), and a sixth, ``tree_mask=`` (a
+[B, T, T] bool mask: the new tokens form a tree; the cache must then have ``compact``), only
+for a drafter that proposes token trees (`DraftProposal.parents`).
 
 Both loops are batched over ragged prompts and ragged acceptance. Inside a step nothing
 reads a device value on the host except the one "which rows are done?" check, which
@@ -493,8 +495,11 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     Each step the drafter proposes up to ``num_draft_tokens`` (K) tokens per row, the target
     scores them and the row's last token in one forward, and `rejection_sample_logits` keeps the
     longest prefix that sampling the target alone would have produced, plus one corrected or
-    bonus token. Rows finish independently; finished rows leave the batch. Whatever is drafted,
-    greedy output equals `generate`'s and sampled output follows the target's distribution.
+    bonus token. A drafter may propose a token tree instead (`DraftProposal.parents`): the
+    target scores every node in the same one forward and `tree_rejection_sample` keeps the
+    longest path it accepts. Rows finish independently; finished rows leave the batch. Whatever
+    is drafted, greedy output equals `generate`'s and sampled output follows the target's
+    distribution.
 
     Args:
         target: the model whose distribution is reproduced exactly.
@@ -567,8 +572,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             stream.add(host_rows, kept, new)
             _commit(drafter, new, accepted + 1, states, committed_bound)
             if max(asked) == 0:  # a plain decoding step
-                draft_ids, num_drafts, draft_logits, parents = token.new_zeros(len(asked), 0), torch.zeros_like(rows), \
-                    None, None
+                draft_ids, num_drafts = token.new_zeros(len(asked), 0), torch.zeros_like(rows)
+                draft_logits = parents = None
             else:
                 stats.draft_calls += 1
                 with timer("draft"):
