@@ -32,7 +32,7 @@ from ._checks import is_int
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
 from .matmul import Linear, MatmulPlan, matmul_sample, measured_matmul_plan
-from .model import positions_read
+from .model import positions_read, tree_depths
 
 #: ``config.model_type`` of the families checked logit for logit against transformers.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2", "phi3", "gemma3_text")
@@ -57,6 +57,7 @@ class _Pass:
     num_queries: int
     max_len: int  # positions of each row attention reads
     min_seqlen: int | None
+    tree_mask: torch.Tensor | None = None  # [B, T, T] bool: the new tokens form a tree
     plans: dict = field(default_factory=dict)
     calls: int = 0  # attention calls made (one per layer, when the model routes them here)
 
@@ -64,7 +65,7 @@ class _Pass:
         if sliding_window not in self.plans:
             self.plans[sliding_window] = RaggedAttentionPlan(
                 self.cache_seqlens, self.q_seqlens, num_queries=self.num_queries, max_len=self.max_len,
-                min_seqlen=self.min_seqlen, sliding_window=sliding_window)
+                min_seqlen=self.min_seqlen, sliding_window=sliding_window, tree_mask=self.tree_mask)
         return self.plans[sliding_window]
 
 
@@ -92,7 +93,8 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     cache.append(layer, key.transpose(1, 2), value.transpose(1, 2), plan=specdec_pass.append)
     S = plan.max_len
     out = ragged_attention(query.transpose(1, 2).contiguous(), cache.k[layer][:, :S], cache.v[layer][:, :S],
-                           plan.cache_seqlens, plan.q_seqlens, plan=plan, scale=scaling, sliding_window=sliding_window)
+                           plan.cache_seqlens, plan.q_seqlens, plan=plan, scale=scaling, sliding_window=sliding_window,
+                           tree_mask=plan.tree_mask)
     return out, None
 
 
@@ -180,7 +182,8 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
                 last_only: bool = False, max_seqlen: int | None = None, min_seqlen: int | None = None,
-                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                return_hidden: bool = False, tree_mask: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
 
         Args and returns as `Llama.forward` (without ``num_tokens``: transformers' layers run on
@@ -189,6 +192,8 @@ class HFCausalLM(nn.Module):
         with ``last_only``, each row's last real token) in the model's dtype. ``return_hidden``:
         also the last layer's hidden states before the final norm (the norm's input: what
         EAGLE-style draft heads read, `specdec_kernels.Drafter`), [B, T, H] or [B, 1, H].
+        ``tree_mask``: [B, T, T] bool, the new tokens form a tree (`Llama.forward`): each sits
+        at the row's length plus its depth; refused by the attention of sliding-window layers.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(getattr(input_ids, 'shape', ()))}")
@@ -201,10 +206,11 @@ class HFCausalLM(nn.Module):
         q_seqlens = append.q_seqlens
         cache_seqlens = cache.lengths + (T if q_seqlens is None else q_seqlens)
         attention = _Pass(cache, append, cache_seqlens, q_seqlens, T,
-                          positions_read(cache_seqlens, max_seqlen, T, cache.max_len), min_seqlen)
+                          positions_read(cache_seqlens, max_seqlen, T, cache.max_len), min_seqlen, tree_mask)
         # Real tokens sit below the capacity; padding positions past it are clamped (their
         # outputs are never read), so learned position tables are never indexed beyond it.
-        positions = (cache.lengths[:, None] + torch.arange(T, device=input_ids.device)).clamp_(max=cache.max_len - 1)
+        positions = (cache.lengths[:, None] + tree_depths(tree_mask, q_seqlens, T, input_ids.device)
+                     ).clamp_(max=cache.max_len - 1)
         ragged_last = last_only and q_seqlens is not None
         hidden: list[torch.Tensor] = []
         with self._implementation(), self._last_rows(q_seqlens if ragged_last else None), \

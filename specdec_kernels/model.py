@@ -123,6 +123,20 @@ def positions_read(cache_seqlens: torch.Tensor, max_seqlen: int | None, T: int, 
     return int(max_seqlen)
 
 
+def tree_depths(tree_mask: torch.Tensor | None, q_seqlens: torch.Tensor | None, T: int, device: torch.device
+                ) -> torch.Tensor:
+    """Each new token's offset from its row's cache length: ``0 .. T-1`` for a chain (``tree_mask``
+    None, [1, T]); in a tree, its depth: the real new tokens it sees, minus one ([B, T]). The
+    attention plan checks the mask's shape and diagonal."""
+    if tree_mask is None:
+        return torch.arange(T, device=device)[None, :]
+    if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool or tree_mask.dim() != 3:
+        raise ValueError(f"tree_mask must be a [B, T, T] bool tensor or None, got "
+                         f"{getattr(tree_mask, 'dtype', type(tree_mask).__name__)}")
+    seen = tree_mask if q_seqlens is None else tree_mask & (torch.arange(T, device=device) < q_seqlens.view(-1, 1, 1))
+    return seen.sum(-1) - 1
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -266,14 +280,7 @@ class Llama(nn.Module):
         B, T = input_ids.shape
         if B != cache.batch_size:
             raise ValueError(f"input_ids has {B} rows but the cache has {cache.batch_size}")
-        if tree_mask is None:
-            positions = cache.lengths[:, None] + torch.arange(T, device=input_ids.device)  # [B, T]
-        elif not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool:
-            raise ValueError(f"tree_mask must be a [B, T, T] bool tensor or None, got {tree_mask!r}")
-        else:  # a tree token sits at its depth; the attention plan checks the mask's shape
-            seen = tree_mask if q_seqlens is None else tree_mask & (
-                torch.arange(T, device=input_ids.device) < q_seqlens.view(-1, 1, 1))  # real tokens only
-            positions = cache.lengths[:, None] + seen.sum(-1) - 1
+        positions = cache.lengths[:, None] + tree_depths(tree_mask, q_seqlens, T, input_ids.device)  # [B, T]
         cos, sin = self.rope_angles(positions)
         append = cache.plan_append(T, q_seqlens)  # validates q_seqlens
         q_seqlens = append.q_seqlens

@@ -354,3 +354,27 @@ def test_hidden_states_are_the_final_norms_input(family):
         torch.testing.assert_close(seen[0, :n], every[0, position: position + n], atol=1e-3, rtol=1e-3)
         position += n
     assert position >= ids.shape[1] - 1 + 10
+
+
+@pytest.mark.parametrize("family", SUPPORTED_MODEL_TYPES)
+def test_token_trees_on_transformers_models_keep_greedy_tokens(family):
+    """Tree drafts (hostile random trees, prompt-lookup trees) verified on transformers' own
+    models, positions by depth for rotary and learned position tables alike: transformers'
+    greedy tokens, row by row."""
+    from test_tree_decoding import RandomTree
+
+    hf, _, input_ids, mask, expected = greedy_case(family, {})
+    for drafter in (RandomTree(seed=1), PromptLookupDraft(branches=3)):
+        out = speculative_generate(hf, drafter, input_ids, mask, num_draft_tokens=5, max_new_tokens=16,
+                                   temperature=0, adaptive=False)
+        assert torch.equal(out.tokens, expected), f"{family}, {type(drafter).__name__}"
+
+
+def test_token_trees_are_refused_by_sliding_window_layers():
+    family, overrides = WINDOWED["mistral-window"]
+    hf, _, input_ids, mask, _ = greedy_case(family, overrides)
+    from test_tree_decoding import RandomTree
+
+    with pytest.raises(ValueError, match="sliding_window"):
+        speculative_generate(hf, RandomTree(seed=1), input_ids, mask, num_draft_tokens=5, max_new_tokens=16,
+                             temperature=0, adaptive=False)
