@@ -60,7 +60,8 @@ class DraftProposal:
         parents: [B, K] int64, or None for a chain: the tokens form a tree in topological
             order, token i continuing token ``parents[b, i] < i``, or the row's last committed
             token (-1). The target verifies the tree in one forward (`ragged_attention`'s
-            ``tree_mask``; the built-in `Llama` takes it) and keeps the longest path it accepts
+            ``tree_mask``; the built-in `Llama` and `HFCausalLM` take it) and keeps the longest
+            path it accepts
             (`tree_rejection_sample`: siblings with logits must have been sampled independently,
             each from its own row of ``logits``). A row cut to fewer tokens keeps the first ones.
     """

@@ -674,7 +674,8 @@ def _tree_forward(target, tree: torch.Tensor, hidden: bool) -> Callable:
     """The target's verify forward over a token tree (eager: no CUDA graph records a tree)."""
     if not _accepts(target, "tree_mask"):
         raise TypeError(f"the drafter proposed a token tree (DraftProposal.parents), but "
-                        f"{type(target).__name__}.forward takes no tree_mask keyword; use the built-in Llama")
+                        f"{type(target).__name__}.forward takes no tree_mask keyword (the built-in Llama and "
+                        "HFCausalLM do)")
     return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: _forward(
         target, ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, min_seqlen=min_seqlen, tree_mask=tree,
         **_hidden_keyword(target, hidden))
