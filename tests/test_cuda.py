@@ -512,3 +512,61 @@ def test_transformers_model_decoding_synchronizes_once_per_step_on_cuda():
         transfer = [place for place in extra if "generation.py" in place]
         assert len(transfer) == 1 and set(extra) == set(transfer), (draft, short, long)
         assert extra[transfer[0]] % (long_steps - short_steps) == 0, (draft, short, long)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split", ["nosplit", "split"])
+@pytest.mark.parametrize("G,T", [(1, 8), (3, 16), (8, 40)])
+def test_tree_attention_matches_the_masked_oracle(G, T, split, dtype):
+    """The compiled tree kernel (its own specializations) against the dense masked oracle."""
+    from specdec_kernels.kernels.attention import ragged_attention_triton
+    from test_attention import dense_oracle
+    from test_tree_attention import random_tree_masks
+
+    q, k, v, cache_seqlens, q_seqlens = make_inputs(3, T, G, 2, 64, 300, [300, T + 20, T], [T, T - 3, T], dtype)
+    tree = random_tree_masks(3, T, seed=G)
+    kwargs = dict(max_splits=1) if split == "nosplit" else dict(max_splits=16, min_chunk=32)
+    out = ragged_attention_triton(*cuda(q, k, v, cache_seqlens, q_seqlens), 64 ** -0.5, tree_mask=tree.cuda(),
+                                  **kwargs)
+    assert_close(out.cpu(), dense_oracle(q, k, v, cache_seqlens, q_seqlens, tree_mask=tree), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_compact_matches_torch_path(dtype):
+    from test_cache_compact import filled_cache
+
+    keep = torch.tensor([[0, 2, 5, 0, 0, 0], [1, 3, 4, 5, 0, 0], [0, 1, 2, 3, 0, 0]])
+    num_keep = torch.tensor([3, 4, 2])
+    cpu, _ = filled_cache(dtype=dtype)
+    gpu = KVCache(cpu.num_layers, cpu.batch_size, cpu.max_len, cpu.num_kv_heads, cpu.head_dim, dtype=dtype,
+                  device="cuda")
+    for layer in range(cpu.num_layers):
+        gpu.k[layer].copy_(cpu.k[layer])
+        gpu.v[layer].copy_(cpu.v[layer])
+    gpu.advance(cpu.lengths.cuda())
+    cpu.compact(keep, num_keep, backend="torch")
+    gpu.compact(keep.cuda(), num_keep.cuda(), backend="triton")
+    assert torch.equal(gpu.lengths.cpu(), cpu.lengths)
+    for layer in range(cpu.num_layers):
+        assert torch.equal(gpu.k[layer].cpu(), cpu.k[layer]) and torch.equal(gpu.v[layer].cpu(), cpu.v[layer])
+
+
+def test_tree_speculative_decoding_on_cuda_equals_generate():
+    """Prompt-lookup trees verified on CUDA (eager tree forwards beside graphed plain steps): the
+    CPU's greedy tokens, with `test_greedy_speculative_equals_greedy_generate_on_cuda`'s top-2
+    gap allowance."""
+    cpu_model = tiny_llama(seed=0, scale=3.0, layers=3)
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    ids, mask = ragged_prompts(B=4, seed=1)
+    ids = torch.cat([ids, ids[:, -6:], ids[:, -6:]], 1)
+    mask = torch.cat([mask, torch.ones(4, 12, dtype=mask.dtype)], 1)
+    plain_cpu = generate(cpu_model, ids, mask, max_new_tokens=24, temperature=0)
+    spec = speculative_generate(model, PromptLookupDraft(branches=3), ids.cuda(), mask.cuda(), num_draft_tokens=7,
+                                max_new_tokens=24, temperature=0)
+    allowances = 0
+    for row in range(ids.shape[0]):
+        differ = (plain_cpu.tokens[row] != spec.tokens[row].cpu()).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(cpu_model, ids, mask, plain_cpu.tokens, row, int(differ[0]))
+            allowances += 1
+    assert allowances <= 1
