@@ -16,6 +16,7 @@ from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import KVCache
 from .drafts import Drafter, DraftProposal, EarlyExitDraft, ModelDraft, PromptLookupDraft
 from .generation import GenerationOutput, GenerationStats, generate, speculative_generate
+from .jacobi import jacobi_generate
 from .matmul import MatmulPlan
 from .model import Llama, LlamaConfig
 from .pretrained import load_gemma3_270m, load_smollm2
@@ -56,6 +57,7 @@ __all__ = [
     "first_rejection_index",
     "generate",
     "interpreter_enabled",
+    "jacobi_generate",
     "load_gemma3_270m",
     "load_smollm2",
     "make_rejection_noise",
