@@ -54,7 +54,7 @@ from ._model_calls import (
     as_protocol_model,
 )
 from ._sampling_checks import check_sampling_params
-from .drafts import Drafter, ModelDraft, PromptLookupDraft, _checked_proposal
+from .drafts import Drafter, DraftProposal, ModelDraft, PromptLookupDraft, _checked_proposal
 from .sampling import rejection_sample_logits, sample_logits
 from .tree_sampling import tree_rejection_sample
 
@@ -547,10 +547,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     cache = _new_cache(target, "target", B, request.max_len, device)
     check = _LogitsCheck(device, ("target model", "draft model", "drafter"))
     hidden = getattr(drafter, "needs_target_hidden", False) is True  # the target's features, for the drafter
-    graphs = _use_cuda_graphs(cuda_graphs, (target,), device) and not hidden
-    verify = check.checked("target model", V, _decoding_forward(target, cache, "target", graphs, last_only=False,
-                                                                   return_hidden=hidden))
-    verify_tree = lambda tree: check.checked("target model", V, _tree_forward(target, tree, hidden))
+    verify = _verifier(target, cache, check, _use_cuda_graphs(cuda_graphs, (target,), device) and not hidden, hidden)
     sample_draft = lambda logits: request.sample(check("draft model", V, logits))
 
     with timer("prefill"):
@@ -572,12 +569,12 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             stream.add(host_rows, kept, new)
             _commit(drafter, new, accepted + 1, states, committed_bound)
             if max(asked) == 0:  # a plain decoding step
-                draft_ids, num_drafts = token.new_zeros(len(asked), 0), torch.zeros_like(rows)
-                draft_logits = parents = None
+                drafts = DraftProposal(token.new_zeros(len(asked), 0), torch.zeros_like(rows))
             else:
                 stats.draft_calls += 1
                 with timer("draft"):
-                    draft_ids, num_drafts, draft_logits, parents = _propose(drafter, asked, sample_draft, logits, check)
+                    drafts = _propose(drafter, asked, sample_draft, logits, check)
+            num_drafts = drafts.num_tokens
             # The one transfer: finished rows, bounds for the verify forward, this step's drafts and
             # the last step's acceptance (for the draft lengths), the streamer's tokens.
             running, (longest, shortest, widest, fewest, total, drafted, accepted_list, generated,
@@ -591,8 +588,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             drafted, generated = (dict(zip(host_rows, values, strict=True)) for values in (drafted, generated))
             if len(running) < len(rows):
                 keep = _host_list_to(running, device)
-                rows, token, draft_ids, num_drafts, draft_logits, parents = (
-                    None if t is None else t[keep] for t in (rows, token, draft_ids, num_drafts, draft_logits, parents))
+                rows, token, drafts = rows[keep], token[keep], _select_rows(drafts, keep)
                 cache, host_rows = cache.select(keep), [host_rows[i] for i in running]
                 drafter.select(keep)
             b = len(rows)
@@ -604,20 +600,16 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 with timer("target"):
                     start = cache.lengths.clone()
                     ragged = fewest < widest  # rows with fewer drafts: the model may skip their padding
-                    tree = None if parents is None or widest == 0 else _ancestor_mask(parents[:, :widest])
-                    forward = verify if tree is None else verify_tree(tree)
-                    out = forward(torch.cat([token[:, None], draft_ids[:, :widest]], 1), cache,
-                                  num_drafts + 1 if ragged else None, b + total if ragged else None,
-                                  max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
+                    out = verify(torch.cat([token[:, None], drafts.token_ids[:, :widest]], 1), drafts, widest, ragged,
+                                 b + total, max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
                     target_logits, states = out if hidden else (out, None)
                 stats.target_forwards += 1
                 with timer("sampler"):
-                    new, accepted, token, kept = _accept(request, target_logits, draft_ids, draft_logits, num_drafts,
-                                                         widest, None if tree is None else parents)
+                    new, accepted, token, kept = _accept(request, target_logits, drafts, widest)
             states = _keep_accepted(cache, start, accepted, kept, states)
             committed_bound = longest + widest + 2  # the cache's tokens after the verify, and this step's token
             stats.num_steps[rows] += 1
-            stats.num_proposed[rows] += num_drafts
+            stats.num_proposed[rows] += drafts.num_tokens
             stats.num_accepted[rows] += accepted
             asked = lengths.choose(host_rows, generated)
     stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
@@ -637,14 +629,20 @@ def _commit(drafter: Drafter, token_ids: torch.Tensor, num_tokens: torch.Tensor,
 
 def _propose(drafter: Drafter, asked: list[int], sample: Callable[[torch.Tensor], torch.Tensor],
              logits_like: torch.Tensor, check: _LogitsCheck) -> tuple:
-    """The drafter's proposal (checked) with each row's count cut to ``asked`` (0 .. K, host ints,
-    not all 0; a tree keeps the first nodes of its topological order): ids [b, max(asked)],
-    counts [b], draft logits or None, and the tree's parents or None."""
+    """The drafter's proposal (checked, ``num_tokens`` always given) with each row's count cut to
+    ``asked`` (0 .. K, host ints, not all 0; a tree keeps the first nodes of its topological
+    order)."""
     ids, num, logits, parents = _checked_proposal(drafter, drafter.propose(max(asked), sample), len(asked),
                                                   max(asked), logits_like, check)
     if min(asked) < max(asked):
         num = torch.minimum(num, _host_list_to(asked, num.device))
-    return ids, num, logits, parents
+    return DraftProposal(ids, num, logits, parents)
+
+
+def _select_rows(drafts: DraftProposal, rows: torch.Tensor) -> DraftProposal:
+    """The proposal's batch positions ``rows``."""
+    return DraftProposal(*(None if t is None else t[rows] for t in
+                           (drafts.token_ids, drafts.num_tokens, drafts.logits, drafts.parents)))
 
 
 def _keep_accepted(cache, start: torch.Tensor, accepted: torch.Tensor, kept: torch.Tensor | None,
@@ -670,15 +668,30 @@ def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _tree_forward(target, tree: torch.Tensor, hidden: bool) -> Callable:
-    """The target's verify forward over a token tree (eager: no CUDA graph records a tree)."""
-    if not _accepts(target, "tree_mask"):
-        raise TypeError(f"the drafter proposed a token tree (DraftProposal.parents), but "
-                        f"{type(target).__name__}.forward takes no tree_mask keyword (the built-in Llama and "
-                        "HFCausalLM do)")
-    return lambda ids, cache, q_seqlens=None, num_tokens=None, *, max_seqlen, min_seqlen: _forward(
-        target, ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, min_seqlen=min_seqlen, tree_mask=tree,
-        **_hidden_keyword(target, hidden))
+def _verifier(target, cache, check: _LogitsCheck, graphs: bool, hidden: bool) -> Callable:
+    """The loop's verify forward: ``fn(ids [b, widest + 1], drafts, widest, ragged, num_tokens, *,
+    max_seqlen, min_seqlen)`` -> the target's logits (and hidden states with ``hidden``),
+    checked. A chain goes through `_decoding_forward` (CUDA graphs where asked); a token tree
+    (``drafts.parents``) runs eagerly with its ancestor mask: no graph records a tree."""
+    V = target.vocab_size
+    chain = check.checked("target model", V, _decoding_forward(target, cache, "target", graphs, last_only=False,
+                                                                  return_hidden=hidden))
+    tree = check.checked("target model", V, lambda ids, cache, q_seqlens, num_tokens, **kwargs: _forward(
+        target, ids, cache, q_seqlens, num_tokens, **kwargs, **_hidden_keyword(target, hidden)))
+
+    def verify(ids, drafts: DraftProposal, widest: int, ragged: bool, num_tokens: int, *, max_seqlen: int,
+               min_seqlen: int):
+        q_seqlens, num_tokens = (drafts.num_tokens + 1, num_tokens) if ragged else (None, None)
+        if drafts.parents is None or widest == 0:
+            return chain(ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, min_seqlen=min_seqlen)
+        if not _accepts(target, "tree_mask"):
+            raise TypeError(f"the drafter proposed a token tree (DraftProposal.parents), but "
+                            f"{type(target).__name__}.forward takes no tree_mask keyword (the built-in Llama and "
+                            "HFCausalLM do)")
+        return tree(ids, cache, q_seqlens, num_tokens, max_seqlen=max_seqlen, min_seqlen=min_seqlen,
+                    tree_mask=_ancestor_mask(drafts.parents[:, :widest]))
+
+    return verify
 
 
 def _check_speculation_options(num_draft_tokens: int, adaptive: bool) -> None:
@@ -688,8 +701,7 @@ def _check_speculation_options(num_draft_tokens: int, adaptive: bool) -> None:
         raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
 
 
-def _accept(request: _Request, target_logits: torch.Tensor, draft_ids: torch.Tensor,
-            draft_logits: torch.Tensor | None, num_drafts: torch.Tensor, widest: int, parents: torch.Tensor | None
+def _accept(request: _Request, target_logits: torch.Tensor, drafts: DraftProposal, widest: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A verified step's new tokens [b, widest + 1] (each row's accepted drafts, then the target's
     own token), the drafts each row accepted [b], its last token [b] and, for a tree, the verify
@@ -699,15 +711,15 @@ def _accept(request: _Request, target_logits: torch.Tensor, draft_ids: torch.Ten
     if widest == 0:
         token = request.sample(target_logits[:, 0])
         return token[:, None], torch.zeros_like(token), token, None
-    if parents is not None:
-        result = tree_rejection_sample(target_logits, None if draft_logits is None else draft_logits[:, :widest],
-                                       draft_ids[:, :widest], parents[:, :widest], num_drafts, **request.sampling,
-                                       generator=request.generator)
+    draft_ids, num_drafts = drafts.token_ids[:, :widest], drafts.num_tokens
+    draft_logits = None if drafts.logits is None else drafts.logits[:, :widest]
+    if drafts.parents is not None:
+        result = tree_rejection_sample(target_logits, draft_logits, draft_ids, drafts.parents[:, :widest], num_drafts,
+                                       **request.sampling, generator=request.generator)
         new, accepted = result.token_ids.clamp(min=0), result.num_accepted
         kept = torch.cat([torch.zeros_like(accepted)[:, None], result.path + 1], 1)
         return new, accepted, new.gather(1, accepted[:, None])[:, 0], kept
-    result = rejection_sample_logits(target_logits, None if draft_logits is None else draft_logits[:, :widest],
-                                     draft_ids[:, :widest], num_drafts, **request.sampling,
+    result = rejection_sample_logits(target_logits, draft_logits, draft_ids, num_drafts, **request.sampling,
                                      generator=request.generator, validate=False)
     new, accepted = result.token_ids.clamp(min=0), result.num_accepted
     return new, accepted, new.gather(1, accepted[:, None])[:, 0], None
