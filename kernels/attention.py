@@ -121,15 +121,16 @@ def _ragged_attn_fwd_kernel(
         if TREE:
             # New token j = key - new_start is seen iff bit j of the query's packed mask row is
             # set; the keys before the new tokens are seen by every real query. A block's BN
-            # keys take bits from at most BN // 32 + 1 consecutive words of each row, loaded as
-            # [BM] vectors (none for blocks before the new tokens).
+            # keys start anywhere in a word, so they take bits from up to (BN + 31) // 32 + 1
+            # consecutive words of each row, loaded as [BM] vectors (none for blocks before the
+            # new tokens).
             j = o_n - new_start
             jj = tl.maximum(j, 0)
             first_word = tl.maximum(start - new_start, 0) // 32
             reaches = m_row & (o_m * 0 + start + BN > new_start)  # [BM] (a scalar mask is not loadable)
             p_row = tree_ptr + (i_b * T + o_t) * tree_words + first_word
             bits = tl.zeros([BM, BN], dtype=tl.int32)
-            for w in tl.static_range(BN // 32 + 1):
+            for w in tl.static_range((BN + 31) // 32 + 1):
                 word = tl.load(p_row + w, mask=reaches & (o_m * 0 + first_word + w < tree_words), other=0)
                 in_word = (jj // 32 == first_word + w)[None, :]
                 bits |= tl.where(in_word, (word[:, None] >> (jj % 32)[None, :]) & 1, 0)
@@ -253,10 +254,11 @@ def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: i
     # fp32 tiles are not software-pipelined (2 stages spilled for D = 80 and 96 on sm_80).
     # The tree mask's bits take registers too: without a change below, its kernel spills in
     # fp16 / bf16 tiles of 256 rows at heads wider than 64 (capped at 128 rows), in fp32 tiles of
-    # 32 rows (16 warps, as from 64) and in fp16 / bf16 tiles of 32 rows (32 keys per step).
+    # 128 rows (capped at 64) and of 32 rows (16 warps, as from 64), and in fp16 / bf16 tiles of
+    # 32 rows (32 keys per step).
     most = max_tile_rows(dtype, head_dim, max_shared)
-    if tree and dtype != torch.float32 and head_dim > 64:
-        most = min(most, 128)
+    if tree and (dtype == torch.float32 or head_dim > 64):
+        most = min(most, 64 if dtype == torch.float32 else 128)
     BM = min(most, max(16, triton.next_power_of_2(rows)))
     fp32_wide = dtype == torch.float32 and BM >= 32
     half_wide_heads = dtype != torch.float32 and BM >= 256 and head_dim > 64

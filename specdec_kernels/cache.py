@@ -287,7 +287,8 @@ class KVCache:
         Row b's appended entries begin at ``start[b]`` (default ``lengths[b] - T``: every row
         appended all T). Its entries ``start[b] + keep[b, i]`` for ``i < num_keep[b]`` move, in
         order, to positions ``start[b] + i`` in every layer, and ``lengths[b]`` becomes
-        ``start[b] + num_keep[b]``. Entries already in place (a kept prefix) are not copied.
+        ``start[b] + num_keep[b]``. The Triton kernel copies no entry already in place (a kept
+        prefix); the torch path rewrites each row's T entries.
 
         Args:
             keep: [B, T] int64: indices into each row's appended entries, strictly increasing

@@ -388,20 +388,9 @@ class PromptLookupDraft:
             ValueError: bad shapes or dtypes, ``k`` not an int >= 1; a length outside ``0 .. L``
                 (`DeviceCheckError` on CPU, a device assert on CUDA).
         """
-        if not is_int(k) or k < 1:
-            raise ValueError(f"k must be an int >= 1, got {k!r}")
-        if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.dtype != torch.int64:
-            is_tensor = isinstance(context, torch.Tensor)
-            got = f"{context.dtype} {tuple(context.shape)}" if is_tensor else type(context).__name__
-            raise ValueError(f"context must be a [B, L] int64 tensor, got {got}")
+        _check_lookup(context, context_lengths, k)
         B, L = context.shape
-        if L < 1:
-            raise ValueError("context must have at least one column")
-        device = context.device
-        check_lengths_tensor("context_lengths", context_lengths, B, device, on=f"{device} like context")
-        device_check(((context_lengths >= 0) & (context_lengths <= L)).all(),
-                     f"context_lengths must lie in 0..L={L} for every row")
-        k = int(k)
+        device, k = context.device, int(k)
         found = torch.zeros(B, dtype=torch.bool, device=device)
         start = torch.zeros(B, dtype=torch.int64, device=device)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
@@ -433,8 +422,9 @@ class PromptLookupDraft:
             ``(token_ids [B, k], num_tokens [B], None, parents [B, k])``, the fields of a
             `DraftProposal`: nodes in topological order, -1 for children of the last token.
         """
+        _check_lookup(context, context_lengths, k)
         B, L = context.shape
-        device, m = context.device, self.branches
+        device, m, k = context.device, self.branches, int(k)
         starts, valid = [], []
         for n in range(self.max_ngram, self.min_ngram - 1, -1):  # candidates, longest n-grams first
             if n >= L:
@@ -475,6 +465,22 @@ class PromptLookupDraft:
         ids = torch.where(real_node, cont.view(B, -1).gather(1, nodes), 0)
         parents = torch.where(real_node, parent.gather(1, nodes), -1)
         return ids, num, None, parents
+
+
+def _check_lookup(context: torch.Tensor, context_lengths: torch.Tensor, k: int) -> None:
+    """`PromptLookupDraft.lookup`'s argument checks (ValueError naming the argument; lengths on
+    the device)."""
+    if not is_int(k) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.dtype != torch.int64:
+        got = f"{context.dtype} {tuple(context.shape)}" if isinstance(context, torch.Tensor) else type(context).__name__
+        raise ValueError(f"context must be a [B, L] int64 tensor, got {got}")
+    B, L = context.shape
+    if L < 1:
+        raise ValueError("context must have at least one column")
+    check_lengths_tensor("context_lengths", context_lengths, B, context.device, on=f"{context.device} like context")
+    device_check(((context_lengths >= 0) & (context_lengths <= L)).all(),
+                 f"context_lengths must lie in 0..L={L} for every row")
 
 
 def _checked_proposal(drafter, proposal, batch_size: int, asked: int, target_logits: torch.Tensor, check

@@ -600,8 +600,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 with timer("target"):
                     start = cache.lengths.clone()
                     ragged = fewest < widest  # rows with fewer drafts: the model may skip their padding
-                    out = verify(torch.cat([token[:, None], drafts.token_ids[:, :widest]], 1), drafts, widest, ragged,
-                                 b + total, max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
+                    out = verify(torch.cat([token[:, None], drafts.token_ids[:, :widest]], 1), cache, drafts, widest,
+                                 ragged, b + total, max_seqlen=longest + widest + 1, min_seqlen=shortest + fewest + 1)
                     target_logits, states = out if hidden else (out, None)
                 stats.target_forwards += 1
                 with timer("sampler"):
@@ -669,17 +669,18 @@ def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 
 
 def _verifier(target, cache, check: _LogitsCheck, graphs: bool, hidden: bool) -> Callable:
-    """The loop's verify forward: ``fn(ids [b, widest + 1], drafts, widest, ragged, num_tokens, *,
-    max_seqlen, min_seqlen)`` -> the target's logits (and hidden states with ``hidden``),
-    checked. A chain goes through `_decoding_forward` (CUDA graphs where asked); a token tree
-    (``drafts.parents``) runs eagerly with its ancestor mask: no graph records a tree."""
+    """The loop's verify forward: ``fn(ids [b, widest + 1], cache, drafts, widest, ragged,
+    num_tokens, *, max_seqlen, min_seqlen)`` -> the target's logits (and hidden states with
+    ``hidden``), checked. A chain goes through `_decoding_forward` (CUDA graphs where asked, on
+    ``cache``, which `KVCache.select` keeps); a token tree (``drafts.parents``) runs eagerly with
+    its ancestor mask: no graph records a tree."""
     V = target.vocab_size
     chain = check.checked("target model", V, _decoding_forward(target, cache, "target", graphs, last_only=False,
                                                                   return_hidden=hidden))
     tree = check.checked("target model", V, lambda ids, cache, q_seqlens, num_tokens, **kwargs: _forward(
         target, ids, cache, q_seqlens, num_tokens, **kwargs, **_hidden_keyword(target, hidden)))
 
-    def verify(ids, drafts: DraftProposal, widest: int, ragged: bool, num_tokens: int, *, max_seqlen: int,
+    def verify(ids, cache, drafts: DraftProposal, widest: int, ragged: bool, num_tokens: int, *, max_seqlen: int,
                min_seqlen: int):
         q_seqlens, num_tokens = (drafts.num_tokens + 1, num_tokens) if ragged else (None, None)
         if drafts.parents is None or widest == 0:

@@ -193,7 +193,8 @@ class HFCausalLM(nn.Module):
         also the last layer's hidden states before the final norm (the norm's input: what
         EAGLE-style draft heads read, `specdec_kernels.Drafter`), [B, T, H] or [B, 1, H].
         ``tree_mask``: [B, T, T] bool, the new tokens form a tree (`Llama.forward`): each sits
-        at the row's length plus its depth; refused by the attention of sliding-window layers.
+        at the row's length plus its depth; sliding-window layers raise a ValueError once their
+        window hides keys of the positions the pass reads.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(getattr(input_ids, 'shape', ()))}")

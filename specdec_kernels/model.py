@@ -130,11 +130,12 @@ def tree_depths(tree_mask: torch.Tensor | None, q_seqlens: torch.Tensor | None, 
     attention plan checks the mask's shape and diagonal."""
     if tree_mask is None:
         return torch.arange(T, device=device)[None, :]
-    if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool or tree_mask.dim() != 3:
-        raise ValueError(f"tree_mask must be a [B, T, T] bool tensor or None, got "
-                         f"{getattr(tree_mask, 'dtype', type(tree_mask).__name__)}")
+    if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool or tree_mask.shape[1:] != (T, T):
+        raise ValueError(f"tree_mask must be a [B, T={T}, T] bool tensor or None, got "
+                         f"{getattr(tree_mask, 'dtype', type(tree_mask).__name__)} "
+                         f"{list(getattr(tree_mask, 'shape', []))}")
     seen = tree_mask if q_seqlens is None else tree_mask & (torch.arange(T, device=device) < q_seqlens.view(-1, 1, 1))
-    return seen.sum(-1) - 1
+    return (seen.sum(-1) - 1).clamp(min=0)  # a padding query (outputs never read) may see none
 
 
 class Attention(nn.Module):
@@ -261,7 +262,9 @@ class Llama(nn.Module):
                 attending to the cache and to the new tokens its row of the mask gives (its
                 ancestors and itself; `ragged_attention`). A token's position (for the rotary
                 embedding) is then the row's cache length plus its depth: the number of new
-                tokens it sees, minus one. Not with a sliding window.
+                tokens it sees, minus one. With a sliding window, a ValueError once the window
+                hides keys of the positions the pass reads (a tree token's distance to them is
+                its depth, which the mask does not give).
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold

@@ -145,7 +145,7 @@ def _draw(w: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (c * C + i).squeeze(1).clamp_max(V - 1)
 
 
-_TREE_REJECTION_SAMPLE = Dispatch(  # no kernel yet: "triton" runs the torch path
+_TREE_REJECTION_SAMPLE = Dispatch(  # no kernel yet: "triton" runs the torch path on the device
     reference="specdec_kernels.reference.tree_sampling:tree_rejection_sample",
     torch=_tree_rejection_sample_torch,
     triton=_tree_rejection_sample_torch,
@@ -259,6 +259,6 @@ def tree_rejection_sample(
             top_p=top_p, greedy=greedy, noise=noise))
     if not all_greedy and noise is None:  # every row greedy: no random number is drawn
         noise = make_rejection_noise(B, N, generator=generator, seed=seed, device=device)
-    return TreeRejectionOutput(*_tree_rejection_sample_torch(
+    return TreeRejectionOutput(*_TREE_REJECTION_SAMPLE["torch" if backend == "auto" else backend](
         target_logits, draft_logits, token_ids, parents, num_nodes, temperature=temperature, top_k=top_k,
         top_p=top_p, greedy=greedy, noise=noise, all_greedy=all_greedy))

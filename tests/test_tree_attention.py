@@ -40,6 +40,8 @@ TREE_CASES = [
     pytest.param(2, 9, 8, 1, 128, 70, [70, 12], None, torch.float32, id="B2-T9-G8-D128"),
     pytest.param(2, 16, 3, 3, 64, 100, [100, 20], [16, 9], torch.float16, id="B2-T16-G3-fp16"),
     pytest.param(2, 40, 1, 1, 80, 120, [120, 41], [40, 33], torch.bfloat16, id="B2-T40-G1-bf16-two-words"),
+    # fp32 tiles of 64 rows step 16 keys at a time: blocks that straddle a mask word
+    pytest.param(2, 40, 2, 1, 64, 95, [95, 60], [40, 37], torch.float32, id="B2-T40-G2-fp32-two-words"),
 ]
 
 
