@@ -716,7 +716,7 @@ def _accept(request: _Request, target_logits: torch.Tensor, drafts: DraftProposa
     draft_logits = None if drafts.logits is None else drafts.logits[:, :widest]
     if drafts.parents is not None:
         result = tree_rejection_sample(target_logits, draft_logits, draft_ids, drafts.parents[:, :widest], num_drafts,
-                                       **request.sampling, generator=request.generator)
+                                       **request.sampling, generator=request.generator, validate=False)
         new, accepted = result.token_ids.clamp(min=0), result.num_accepted
         kept = torch.cat([torch.zeros_like(accepted)[:, None], result.path + 1], 1)
         return new, accepted, new.gather(1, accepted[:, None])[:, 0], kept

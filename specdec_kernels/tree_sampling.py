@@ -152,6 +152,25 @@ _TREE_REJECTION_SAMPLE = Dispatch(  # no kernel yet: "triton" runs the torch pat
 )
 
 
+def _check_tree(target_logits: torch.Tensor, draft_logits: torch.Tensor | None, token_ids: torch.Tensor,
+                parents: torch.Tensor, n: torch.Tensor) -> None:
+    """`tree_rejection_sample`'s value checks, on the device (`device_check`)."""
+    B, N1, V = target_logits.shape
+    N, device = N1 - 1, target_logits.device
+    steps = torch.arange(N, device=device)
+    real = steps < n[:, None]
+    device_check(((n >= 0) & (n <= N)).all() & ((parents >= -1) & (parents < steps) | ~real).all()
+                 & ((token_ids >= 0) & (token_ids < V) | ~real).all(),
+                 f"tree_rejection_sample: num_nodes must lie in 0..N={N}, parents[b, i] in -1..i-1 and token_ids "
+                 f"in 0..V-1={V - 1} for every row's first num_nodes nodes")
+    rows_read = torch.arange(N + 1, device=device) <= n[:, None]
+    device_check((target_logits.amax(-1).isfinite() | ~rows_read).all(),
+                 "target_logits: a row the walk may read has no finite largest value (NaN, +inf or only -inf)")
+    if draft_logits is not None:
+        device_check((draft_logits.amax(-1).isfinite() | ~real).all(),
+                     "draft_logits: a node's row has no finite largest value (NaN, +inf or only -inf)")
+
+
 def tree_rejection_sample(
     target_logits: torch.Tensor,
     draft_logits: torch.Tensor | None,
@@ -166,6 +185,7 @@ def tree_rejection_sample(
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     noise: RejectionNoise | None = None,
+    validate: bool = True,
     backend: str = "auto",
 ) -> TreeRejectionOutput:
     """Verify a tree of N draft tokens per row: the longest path the target accepts, then a
@@ -186,6 +206,11 @@ def tree_rejection_sample(
         greedy: bool or ``[B]`` bool: rows verified by argmax.
         generator, seed, noise: the random inputs, as in `rejection_sample` (``noise``: ``accept``
             ``[B, N]``, one uniform per node, and ``uniform`` ``[B, 2]``).
+        validate: check on the device (no host sync) that counts, parents and ids are in range
+            and that every logits row the walk may read has a finite largest value. False is
+            for callers that checked them already (`speculative_generate` does, deferring the
+            error to its step's transfer on CUDA): out-of-range ids are then clamped, and rows
+            without a distribution give meaningless tokens.
         backend: ``"auto"``, ``"reference"``, ``"torch"``; ``"triton"`` runs the torch path.
 
     Returns:
@@ -238,18 +263,10 @@ def tree_rejection_sample(
     elif not isinstance(greedy, torch.Tensor) or greedy.shape != (B,) or greedy.dtype != torch.bool:
         raise ValueError(f"greedy must be a bool or a [B] = [{B}] bool tensor, got {greedy!r}")
     greedy = greedy | (temperature == 0)
-    steps = torch.arange(N, device=device)
-    real = steps < n[:, None]
-    device_check(((n >= 0) & (n <= N)).all() & ((parents >= -1) & (parents < steps) | ~real).all()
-                 & ((token_ids >= 0) & (token_ids < V) | ~real).all(),
-                 f"tree_rejection_sample: num_nodes must lie in 0..N={N}, parents[b, i] in -1..i-1 and token_ids "
-                 f"in 0..V-1={V - 1} for every row's first num_nodes nodes")
-    rows_read = torch.arange(N + 1, device=device) <= n[:, None]
-    device_check((target_logits.amax(-1).isfinite() | ~rows_read).all(),
-                 "target_logits: a row the walk may read has no finite largest value (NaN, +inf or only -inf)")
-    if draft_logits is not None:
-        device_check((draft_logits.amax(-1).isfinite() | ~real).all(),
-                     "draft_logits: a node's row has no finite largest value (NaN, +inf or only -inf)")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be True or False, got {validate!r}")
+    if validate:
+        _check_tree(target_logits, draft_logits, token_ids, parents, n)
     if backend not in ("auto", "reference", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'reference', 'torch' or 'triton', got {backend!r}")
     if backend == "reference":

@@ -158,6 +158,11 @@ def test_bad_input_raises():
         tree_rejection_sample(nan, None, ids, parents)
     # A row past num_nodes is never read: NaN there is fine.
     tree_rejection_sample(nan, None, ids, parents, torch.tensor([3, 1]))
+    # Callers that checked the values themselves skip the checks: ids stay in range.
+    out = tree_rejection_sample(nan, None, ids, parents, validate=False, seed=0)
+    assert ((out.token_ids >= -1) & (out.token_ids < 10)).all()
+    with pytest.raises(TypeError, match="validate"):
+        tree_rejection_sample(target, None, ids, parents, validate=1)
 
 
 def test_no_host_sync():
