@@ -363,6 +363,45 @@ def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), br
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
+def run_jacobi(setup: Setup, batch_size: int, max_new_tokens: int, window: int):
+    """One greedy run of our plain generate (``window`` 0) or `jacobi_generate`."""
+    from specdec_kernels import jacobi_generate
+
+    ids, mask = encode(setup, batch_size)
+    if not window:
+        return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+    return jacobi_generate(setup.model, ids, mask, window=window, max_new_tokens=max_new_tokens)
+
+
+def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), repeats: int = 3, pack: bool = True,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, random_weights: str | None = None) -> str:
+    """`jacobi_generate` against our plain generate (greedy, same prompts, every method
+    ``repeats`` times, interleaved): tokens per target forward and wall-clock speedup, medians;
+    a markdown table plus the machine line. Each run's tokens are checked against plain's."""
+    from benchmarks.timing import machine_line
+
+    setup = load_setup(pack, device, dtype, random_weights)
+    lines = []
+    for B in batch_sizes:
+        for w in (0, *windows):  # warm-up
+            run_jacobi(setup, B, 4, w)
+        runs = {w: [] for w in (0, *windows)}
+        for _ in range(repeats):
+            for w in runs:
+                runs[w].append(_timed(setup, run_jacobi, B, max_new_tokens, w))
+        median = {w: sorted(r, key=lambda x: x[0])[len(r) // 2] for w, r in runs.items()}
+        plain_s, plain = median[0]
+        for w in windows:
+            seconds, out = median[w]
+            if not torch.equal(out.tokens, plain.tokens):
+                raise AssertionError(f"jacobi_generate(window={w}) gave other tokens than greedy generate")
+            lines.append(f"| {B} | {w} | {out.stats.tokens_per_target_forward:.3f} | {plain_s / seconds:.2f}x |")
+    header = "| batch | window | tokens per target forward | vs plain |\n|---|---|---|---|"
+    return (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+            f"{max_new_tokens} new tokens per row, median of {repeats} interleaved runs\n"
+            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+
+
 def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3,
                     device: str = "cpu", dtype: torch.dtype = torch.float32,
                     cuda_graphs: bool = True, random_weights: str | None = None) -> str:
@@ -434,7 +473,12 @@ if __name__ == "__main__":
                         help="our loops driving transformers' own model and draft against transformers' generation")
     parser.add_argument("--trees", action="store_true",
                         help="prompt-lookup trees against chains at equal verify width (no HF runs)")
+    parser.add_argument("--jacobi", action="store_true", help="jacobi_generate against our plain generate")
     args = parser.parse_args()
+    if args.jacobi:
+        print(jacobi_table(args.max_new_tokens, tuple(args.batch_sizes), repeats=args.repeats, pack=not args.no_pack,
+                           device=args.device, dtype=getattr(torch, args.dtype), random_weights=args.random_weights))
+        raise SystemExit(0)
     if args.trees:
         print(trees_table(args.max_new_tokens, tuple(args.batch_sizes), repeats=args.repeats, pack=not args.no_pack,
                           device=args.device, dtype=getattr(torch, args.dtype), random_weights=args.random_weights))

