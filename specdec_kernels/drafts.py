@@ -396,14 +396,7 @@ class PromptLookupDraft:
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if n >= L:
                 continue
-            tail = context.gather(1, (context_lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
-            windows = context.unfold(1, n, 1)  # [B, L - n + 1, n]
-            match = (windows == tail[:, None, :]).all(-1)
-            # A match must end before the tail itself, so that a continuation exists.
-            starts = torch.arange(L - n + 1, device=device)
-            match &= starts[None, :] + n < context_lengths[:, None]
-            match &= (context_lengths >= n + 1)[:, None]
-            latest = torch.where(match, starts[None, :], -1).amax(1)  # most recent occurrence
+            latest = _occurrences(context, context_lengths, n).amax(1)  # most recent occurrence
             take = (latest >= 0) & ~found
             start = torch.where(take, latest + n, start)
             found |= take
@@ -429,11 +422,8 @@ class PromptLookupDraft:
         for n in range(self.max_ngram, self.min_ngram - 1, -1):  # candidates, longest n-grams first
             if n >= L:
                 continue
-            tail = context.gather(1, (context_lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
-            match = (context.unfold(1, n, 1) == tail[:, None, :]).all(-1)
-            positions = torch.arange(L - n + 1, device=device)
-            match &= (positions[None, :] + n < context_lengths[:, None]) & (context_lengths >= n + 1)[:, None]
-            latest = torch.where(match, positions, -1).topk(min(m, L - n + 1), dim=1).values  # most recent first
+            occurred = _occurrences(context, context_lengths, n)
+            latest = occurred.topk(min(m, L - n + 1), dim=1).values  # most recent first
             starts.append(latest + n)
             valid.append(latest >= 0)
         if not starts:
@@ -465,6 +455,18 @@ class PromptLookupDraft:
         ids = torch.where(real_node, cont.view(B, -1).gather(1, nodes), 0)
         parents = torch.where(real_node, parent.gather(1, nodes), -1)
         return ids, num, None, parents
+
+
+def _occurrences(context: torch.Tensor, context_lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, L - n + 1] int64: where each row's last n-gram occurred earlier (start position at
+    that position, -1 elsewhere). A match must end before the n-gram itself, so that a
+    continuation exists."""
+    L, device = context.shape[1], context.device
+    tail = context.gather(1, (context_lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
+    match = (context.unfold(1, n, 1) == tail[:, None, :]).all(-1)
+    positions = torch.arange(L - n + 1, device=device)
+    match &= (positions[None, :] + n < context_lengths[:, None]) & (context_lengths >= n + 1)[:, None]
+    return torch.where(match, positions, -1)
 
 
 def _check_lookup(context: torch.Tensor, context_lengths: torch.Tensor, k: int) -> None:
