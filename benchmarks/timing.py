@@ -70,3 +70,22 @@ def bench(benchmark, fn: Callable[[], object], *, cuda: bool = False, rounds: in
         benchmark.extra_info["cuda_event_median_ms"] = cuda_time_ms(fn)
         return benchmark.pedantic(run, rounds=rounds, warmup_rounds=3)
     return benchmark.pedantic(fn, rounds=rounds, warmup_rounds=2)
+
+
+def cuda_graph_of(fn: Callable[[], object], calls: int = 20) -> Callable[[], None]:
+    """``calls`` runs of ``fn`` captured as one CUDA graph; returns its replay. Timing the replay
+    (divided by ``calls``) measures the kernels without the host's per-call launch work, which
+    for one small attention call is most of its eager time."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and allocate outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay

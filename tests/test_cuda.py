@@ -570,3 +570,24 @@ def test_tree_speculative_decoding_on_cuda_equals_generate():
             assert greedy_divergence_allowed(cpu_model, ids, mask, plain_cpu.tokens, row, int(differ[0]))
             allowances += 1
     assert allowances <= 1
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_jacobi_on_cuda_equals_generate(cuda_graphs):
+    """Jacobi decoding on CUDA (eager and with its forwards replayed as CUDA graphs): the CPU's
+    greedy tokens, with the same top-2 gap allowance as the speculative test above."""
+    from specdec_kernels import jacobi_generate
+
+    cpu_model = tiny_llama(seed=0, scale=3.0, layers=3)
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    ids, mask = ragged_prompts(B=4, seed=2)
+    plain_cpu = generate(cpu_model, ids, mask, max_new_tokens=24, temperature=0)
+    out = jacobi_generate(model, ids.cuda(), mask.cuda(), window=5, max_new_tokens=24, cuda_graphs=cuda_graphs)
+    allowances = 0
+    for row in range(ids.shape[0]):
+        differ = (plain_cpu.tokens[row] != out.tokens[row].cpu()).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(cpu_model, ids, mask, plain_cpu.tokens, row, int(differ[0]))
+            allowances += 1
+    assert allowances <= 1
+    assert out.stats.num_generated.tolist() == [24] * ids.shape[0]
