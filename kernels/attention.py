@@ -62,55 +62,6 @@ def _first_key(length, n_q, window, BN: tl.constexpr):
     return tl.where(window > 0, (tl.maximum(length - n_q - window + 1, 0) // BN) * BN, 0)
 
 
-@triton.jit
-def _attend_block(b_q, p_k0, p_v0, p_tree, m_i, l_i, acc, start, hi, pos, span, new_start, tree_words, m_row, o_m,
-                  o_d, m_d, scale_log2e, stride_kl, stride_vl, BN: tl.constexpr, IEEE: tl.constexpr,
-                  DOT_F32: tl.constexpr, TREE: tl.constexpr):
-    """One block of BN keys from ``start`` (online softmax): the running max ``m_i``, sum ``l_i``
-    and output ``acc`` of the tile's queries, updated."""
-    o_n = start + tl.arange(0, BN)
-    m_n = o_n < hi
-    m_kv = m_n[:, None] & m_d[None, :]
-    b_k = tl.load(p_k0 + o_n[:, None] * stride_kl + o_d[None, :], mask=m_kv, other=0.0)
-    if DOT_F32:  # interpreter only (its bf16 dot is wrong): same rounding, fp32 product
-        b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
-    elif IEEE:
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
-    else:
-        b_s = tl.dot(b_q, tl.trans(b_k))
-    if TREE:
-        # New token j = key - new_start is seen iff bit j of the query's packed mask row is set;
-        # the keys before the new tokens are seen by every real query. A block's BN keys start
-        # anywhere in a word, so they take bits from up to (BN + 31) // 32 + 1 consecutive words
-        # of each row, loaded as [BM] vectors.
-        j = o_n - new_start
-        jj = tl.maximum(j, 0)
-        first_word = tl.maximum(start - new_start, 0) // 32
-        bits = tl.zeros_like(b_s.to(tl.int32))
-        for w in tl.static_range((BN + 31) // 32 + 1):
-            word = tl.load(p_tree + first_word + w, mask=m_row & (o_m * 0 + first_word + w < tree_words), other=0)
-            in_word = (jj // 32 == first_word + w)[None, :]
-            bits |= tl.where(in_word, (word[:, None] >> (jj % 32)[None, :]) & 1, 0)
-        keep = m_row[:, None] & m_n[None, :] & ((j < 0)[None, :] | (bits != 0))
-    else:
-        behind = pos[:, None] - o_n[None, :]  # how far each key lies behind each query
-        keep = m_n[None, :] & (behind >= 0) & (behind < span)
-    b_s = tl.where(keep, b_s * scale_log2e, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(b_s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    b_p = tl.exp2(b_s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(b_p, 1)
-    b_v = tl.load(p_v0 + o_n[:, None] * stride_vl + o_d[None, :], mask=m_kv, other=0.0)
-    if DOT_F32:
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32),
-                                            input_precision="ieee")
-    elif IEEE:
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-    return m_new, l_i, acc
-
-
 @triton.jit(do_not_specialize=_FWD_INTS)
 def _ragged_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, cache_seqlens_ptr, q_seqlens_ptr, tree_ptr,
@@ -155,19 +106,52 @@ def _ragged_attn_fwd_kernel(
     p_k0 = k_ptr + i_b * stride_kb + i_h * stride_kh
     p_v0 = v_ptr + i_b * stride_vb + i_h * stride_vh
     p_tree = tree_ptr + (i_b * T + o_t) * tree_words  # [BM] each query's packed mask row
-    # With a tree mask, only the key blocks that reach the new tokens read it: they take a loop
-    # of their own, so the loop over the cached keys (all of a long row's time) is the causal
-    # kernel's, with its registers and software pipelining. Blocks start at multiples of BN.
-    tree_lo = tl.maximum(lo, tl.minimum(hi, (new_start // BN) * BN)) if TREE else hi
-    for start in range(lo, tree_lo, BN):
-        m_i, l_i, acc = _attend_block(
-            b_q, p_k0, p_v0, p_tree, m_i, l_i, acc, start, hi, pos, span, new_start, tree_words, m_row, o_m,
-            o_d, m_d, scale_log2e, stride_kl, stride_vl, BN, IEEE, DOT_F32, False)
-    if TREE:
-        for start in range(tree_lo, hi, BN):
-            m_i, l_i, acc = _attend_block(
-                b_q, p_k0, p_v0, p_tree, m_i, l_i, acc, start, hi, pos, span, new_start, tree_words, m_row,
-                o_m, o_d, m_d, scale_log2e, stride_kl, stride_vl, BN, IEEE, DOT_F32, True)
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < hi
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(p_k0 + o_n[:, None] * stride_kl + o_d[None, :], mask=m_kv, other=0.0)
+        if DOT_F32:  # interpreter only (its bf16 dot is wrong): same rounding, fp32 product
+            b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k))
+        behind = pos[:, None] - o_n[None, :]  # how far each key lies behind each query
+        keep = m_n[None, :] & (behind >= 0) & (behind < span)
+        if TREE:
+            # New token j = key - new_start is seen iff bit j of the query's packed mask row is
+            # set (the keys before the new tokens are seen by every real query, as above). A
+            # block's BN keys start anywhere in a word, so they take bits from up to
+            # (BN + 31) // 32 + 1 consecutive words of each row, loaded as [BM] vectors. Only the
+            # blocks that reach the new tokens take this branch: the loop over a long row's
+            # cached keys stays the causal kernel's (the mask's work in every block, or a loop
+            # of its own for the last blocks, cost 1.2-1.7x the causal call on an H200).
+            if start + BN > new_start:
+                j = o_n - new_start
+                jj = tl.maximum(j, 0)
+                first_word = tl.maximum(start - new_start, 0) // 32
+                bits = tl.zeros_like(b_s.to(tl.int32))
+                for w in tl.static_range((BN + 31) // 32 + 1):
+                    in_row = m_row & (o_m * 0 + first_word + w < tree_words)
+                    word = tl.load(p_tree + first_word + w, mask=in_row, other=0)
+                    in_word = (jj // 32 == first_word + w)[None, :]
+                    bits |= tl.where(in_word, (word[:, None] >> (jj % 32)[None, :]) & 1, 0)
+                keep = m_row[:, None] & m_n[None, :] & ((j < 0)[None, :] | (bits != 0))
+        b_s = tl.where(keep, b_s * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        b_p = tl.exp2(b_s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        b_v = tl.load(p_v0 + o_n[:, None] * stride_vl + o_d[None, :], mask=m_kv, other=0.0)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32),
+                                                input_precision="ieee")
+        elif IEEE:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        m_i = m_new
 
     has_keys = l_i > 0.0
     b_o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -271,32 +255,30 @@ def attention_config(dtype: torch.dtype, head_dim: int, rows: int, max_shared: i
     #   one stage, and LLVM's register-pressure scheduling (``sched4reg``): without it they
     #   spill 8 bytes on sm_80.
     # fp32 tiles are not software-pipelined (2 stages spilled for D = 80 and 96 on sm_80).
-    # The tree mask's bits take registers too (in the loop over the blocks that reach the new
-    # tokens): without a change below, its kernel spills in fp16 / bf16 tiles of 256 rows at
-    # heads wider than 64 (capped at 128 rows; 128-row tiles at head dim 128 take ``sched4reg``),
-    # in fp32 tiles of 128 rows (capped at 64) and of 16 rows (16 keys per step, as from 32), and in fp16 / bf16
-    # tiles of 32 rows at head dim 128 (32 keys per step).
+    # The tree mask's bits take registers too (in the key blocks that reach the new tokens):
+    # without a change below, its kernel spills in fp16 / bf16 tiles of 256 rows at heads wider
+    # than 64 (capped at 128 rows) and in fp32 tiles of 128 rows at head dim 64 (capped at 64)
+    # and of 64 rows at the wider heads (capped at 32, with 32 keys per step and 16 warps).
     most = max_tile_rows(dtype, head_dim, max_shared)
     if tree and (dtype == torch.float32 or head_dim > 64):
-        most = min(most, 64 if dtype == torch.float32 else 128)
+        most = min(most, (64 if head_dim == 64 else 32) if dtype == torch.float32 else 128)
     BM = min(most, max(16, triton.next_power_of_2(rows)))
-    fp32_wide = dtype == torch.float32 and (BM >= 32 or tree)
+    fp32_wide = dtype == torch.float32 and BM >= 32
     half_wide_heads = dtype != torch.float32 and BM >= 256 and head_dim > 64
     BD = max(16, triton.next_power_of_2(head_dim))
-    BN = 16 if fp32_wide or half_wide_heads else 32
-    num_warps = 16 if (fp32_wide and BM >= 64) or BM >= 256 else 8
+    BN = 16 if (fp32_wide and not (tree and head_dim > 64)) or half_wide_heads else 32
+    num_warps = 16 if (fp32_wide and (BM >= 64 or tree)) or BM >= 256 else 8
     num_stages = 1 if dtype == torch.float32 or half_wide_heads else 2
     if dtype != torch.float32 and BM <= 32:
         # Decoding and short verification tiles stream K/V with little math per byte: more keys
         # per step and more stages in flight keep more loads outstanding, with fewer warps
         # (the GPU measurements are in docs/performance.md).
-        BN, num_warps, num_stages = 32 if tree and BM == 32 and head_dim == 128 else 64, 4, 3
-    sched4reg = half_wide_heads or (tree and dtype != torch.float32 and BM == 128 and head_dim == 128 and _SCHED4REG)
+        BN, num_warps, num_stages = 64, 4, 3
     # The Triton interpreter (3.x) computes bf16 tl.dot wrongly; there, and only there, bf16 tiles
     # are widened to fp32 right before each product (values unchanged). GPU builds never do this.
     dot_f32 = dtype == torch.bfloat16 and interpreter_enabled()
     return dict(BM=BM, BN=BN, BD=BD, IEEE=dtype == torch.float32, DOT_F32=dot_f32, num_warps=num_warps,
-                num_stages=num_stages, options={"sched4reg": True} if sched4reg else {})
+                num_stages=num_stages, options={"sched4reg": True} if half_wide_heads else {})
 
 
 def min_split_keys(dtype: torch.dtype, rows: int, BN: int) -> int:
