@@ -17,6 +17,7 @@ from .cache import KVCache
 from .drafts import Drafter, DraftProposal, EarlyExitDraft, ModelDraft, PromptLookupDraft
 from .generation import GenerationOutput, GenerationStats, generate, speculative_generate
 from .jacobi import jacobi_generate
+from .lookahead import lookahead_generate
 from .matmul import MatmulPlan
 from .model import Llama, LlamaConfig
 from .pretrained import load_gemma3_270m, load_smollm2
@@ -58,6 +59,7 @@ __all__ = [
     "generate",
     "interpreter_enabled",
     "jacobi_generate",
+    "lookahead_generate",
     "load_gemma3_270m",
     "load_smollm2",
     "make_rejection_noise",

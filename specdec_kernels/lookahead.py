@@ -1,0 +1,333 @@
+"""Lookahead decoding: Jacobi trajectories feed an n-gram pool, the pool's n-grams are verified.
+
+Lookahead decoding (Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using
+Lookahead Decoding") needs no draft model. Each step runs one forward per row over three parts,
+under one ``tree_mask``:
+
+- the row's last committed token;
+- the *lookahead branch*: a window of W columns and N - 1 levels of guesses (level 0 oldest).
+  Column i's tokens form a trajectory: level 0's tokens are a chain after the last token, and the
+  token at level l >= 1 of column i sees level 0 up to column i, then levels 1 .. l - 1 of
+  column i. The argmax after the last level's tokens becomes the new last level (the levels
+  shift up, the oldest is dropped), and each column with that argmax is an n-gram of N tokens;
+- the *verification branch*: up to G (N - 1)-grams from the row's pool that follow its last
+  token, each a chain after it: a token tree verified by `tree_rejection_sample` (greedily, or
+  losslessly with temperature > 0: the candidates are deterministic proposals).
+
+The accepted candidate's K/V are kept with `KVCache.compact`; the lookahead branch's are dropped.
+The pools also take the prompt's n-grams and those of the text as it is generated, so text that
+repeats its prompt is found as prompt lookup finds it.
+
+The pools live on the host: each step's one transfer reads the committed tokens and the W new
+n-grams of every row, and the candidates go back in one copy (no host sync per row). A pool keeps
+at most ``pool_size`` keys per row, each with its ``guesses`` most recent n-grams: at most
+``pool_size * guesses * (N - 1)`` token ids per row (with the defaults 4096 * 4 * 3 ints).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import torch
+
+from ._checks import is_int
+from ._draft_lengths import COST_DECAY, DECAY
+from ._model_calls import _accepts, _forward, _last_logits, _LogitsCheck, _new_cache, as_protocol_model
+from .generation import (
+    GenerationOutput,
+    _finish,
+    _host_list_to,
+    _new_stats,
+    _Outputs,
+    _PhaseTimer,
+    _prepare,
+    _rows_still_running,
+    _running_range,
+    _Stream,
+)
+from .tree_sampling import tree_rejection_sample
+
+#: Plain steps in a row after which the adaptive switch probes one lookahead step.
+PROBE_EVERY = 16
+
+
+class NgramPool:
+    """One row's n-grams: for each first token, its most recent continuations of N - 1 tokens.
+
+    Holds at most ``max_keys`` first tokens (the least recently extended is dropped) with at most
+    ``per_key`` continuations each (the oldest is dropped; adding one again makes it the newest).
+
+    Example::
+
+        pool = NgramPool(n=3, per_key=2, max_keys=100)
+        pool.add_text([5, 6, 7, 5, 6, 8])
+        pool.continuations(5)   # [(6, 8), (6, 7)]
+    """
+
+    def __init__(self, n: int, per_key: int, max_keys: int) -> None:
+        self.n, self.per_key, self.max_keys = n, per_key, max_keys
+        self._pool: collections.OrderedDict[int, list[tuple[int, ...]]] = collections.OrderedDict()
+
+    def add(self, ngram: tuple[int, ...]) -> None:
+        """One n-gram of N tokens."""
+        key, rest = ngram[0], ngram[1:]
+        conts = self._pool.pop(key, [])
+        if rest in conts:
+            conts.remove(rest)
+        conts.insert(0, rest)
+        del conts[self.per_key:]
+        self._pool[key] = conts
+        if len(self._pool) > self.max_keys:
+            self._pool.popitem(last=False)
+
+    def add_text(self, tokens: list[int], new: int | None = None) -> None:
+        """The n-grams of ``tokens`` (a row's text) that end in its last ``new`` tokens (None: all)."""
+        first = 0 if new is None else max(0, len(tokens) - new - self.n + 1)
+        for start in range(first, len(tokens) - self.n + 1):
+            self.add(tuple(tokens[start: start + self.n]))
+
+    def continuations(self, key: int) -> list[tuple[int, ...]]:
+        """The continuations of ``key``, newest first."""
+        return self._pool.get(key, [])
+
+
+class LookaheadSwitch:
+    """Each step, a lookahead step or a plain one (one token per row), from what the run measured:
+    the seconds of each kind of step (forgotten exponentially, `COST_DECAY` per sample) and the
+    tokens a lookahead step gained per row beyond the one every step gives (forgotten by
+    `DECAY`). A lookahead step is taken while ``(1 + gain) / seconds`` beats a plain step's
+    ``1 / seconds``; each kind is timed before the first choice, the first step of each kind
+    (one-time costs) is not counted, and after `PROBE_EVERY` plain steps in a row one lookahead
+    step probes whether the text changed. ``adaptive=False``: always lookahead. Host arithmetic
+    on the numbers the loop's transfer brings: no synchronization.
+    """
+
+    def __init__(self, adaptive: bool) -> None:
+        self.adaptive = adaptive
+        self.seconds = {True: [0.0, 0.0], False: [0.0, 0.0]}  # kind -> forgotten sums: seconds, samples
+        self.seen = {True: 0, False: 0}
+        self.gain = [0.0, 0.0]                                # forgotten sums: tokens gained per row, steps
+        self.last: bool | None = None                         # the kind of the step being run
+        self.plain_run = 0
+
+    def observe(self, seconds: float, gained_per_row: float) -> None:
+        """The last step's seconds (target forward and sampling) and its tokens per row beyond one."""
+        kind, self.last = self.last, None
+        if kind is None:
+            return
+        self.seen[kind] += 1
+        if self.seen[kind] > 1:
+            total = self.seconds[kind]
+            total[0], total[1] = COST_DECAY * total[0] + seconds, COST_DECAY * total[1] + 1
+        if kind:
+            self.gain[0], self.gain[1] = DECAY * self.gain[0] + gained_per_row, DECAY * self.gain[1] + 1
+
+    def lookahead(self) -> bool:
+        """Whether the next step is a lookahead step."""
+        if not self.adaptive:
+            choice = True
+        elif self.seconds[True][1] == 0 or self.seconds[False][1] == 0:
+            choice = self.seconds[True][1] == 0  # time each kind (after its first step) first
+        else:
+            lookahead_s, plain_s = (t / n for t, n in (self.seconds[True], self.seconds[False]))
+            gain = self.gain[0] / self.gain[1]
+            choice = (1 + gain) / lookahead_s >= 1 / plain_s or self.plain_run >= PROBE_EVERY
+        self.plain_run = 0 if choice else self.plain_run + 1
+        self.last = choice
+        return choice
+
+
+def lookahead_masks(window: int, ngram: int, guesses: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's attention among its new tokens and the candidates' tree.
+
+    Returns:
+        ``tree_mask`` ``[T, T]`` bool, T = 1 + (window + guesses) * (ngram - 1), in input order:
+        the last token, the lookahead levels (level-major, ``window`` tokens each), then the
+        candidates (``ngram - 1`` tokens each); and ``parents`` ``[guesses * (ngram - 1)]``
+        int64, the candidate nodes' parents as `tree_rejection_sample` takes them.
+    """
+    W, L, G = window, ngram - 1, guesses
+    T = 1 + (W + G) * L
+    mask = torch.eye(T, dtype=torch.bool)
+    mask[:, 0] = True
+    level = lambda lv, i: 1 + lv * W + i                          # input index of a lookahead token
+    for i in range(W):
+        mask[level(0, i), [level(0, j) for j in range(i)]] = True
+        for lv in range(1, L):
+            mask[level(lv, i)] = mask[level(lv - 1, i)]
+            mask[level(lv, i), level(lv, i)] = True
+    parents = torch.empty(G * L, dtype=torch.int64)
+    for g in range(G):
+        for m in range(L):
+            node = g * L + m
+            parents[node] = -1 if m == 0 else node - 1
+            row = 1 + W * L + node
+            if m:
+                mask[row] = mask[row - 1]
+                mask[row, row] = True
+    return mask, parents
+
+
+@torch.inference_mode()
+def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                       window: int = 4, ngram: int = 4, guesses: int = 4, max_new_tokens: int,
+                       temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                       eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                       seed: int | None = None, max_cache_len: int | None = None, pool_size: int = 4096,
+                       adaptive: bool = True, streamer=None) -> GenerationOutput:
+    """Lookahead decoding (see the module docstring), batched over ragged rows: greedy output
+    equals `generate(..., temperature=0)` token for token; with temperature > 0 the output is
+    distributed as `generate`'s (the candidates are verified by `tree_rejection_sample`).
+
+    Args:
+        model: a model following the protocol (`specdec_kernels.generation`) whose forward takes
+            ``tree_mask`` (the built-in `Llama`, transformers models in `HFCausalLM`).
+        input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+            pad_token_id, seed, max_cache_len, streamer: as in `generate` (the cache also needs
+            room for one step's input: longest prompt + max_new_tokens - 1 + T - 1).
+        window: W >= 1, the lookahead branch's columns.
+        ngram: N >= 2, the n-gram size: N - 1 lookahead levels and candidates of N - 1 tokens.
+        guesses: G >= 1, the most candidates verified per row and step (and kept per key).
+        pool_size: the most first tokens a row's pool keeps.
+        adaptive: choose each step between a lookahead step and a plain one from the measured
+            costs and gains (`LookaheadSwitch`), so that lookahead never costs much where it does
+            not pay; False: every step is a lookahead step.
+
+    Each forward scores T = 1 + (W + G') * (N - 1) tokens per row, G' the most candidates any row
+    has that step (0 when no row's pool knows its last token).
+
+    Returns:
+        `GenerationOutput`; ``stats.num_proposed`` / ``num_accepted`` count candidate tokens
+        verified and accepted, ``stats.tokens_per_target_forward`` the compression.
+
+    Example::
+
+        out = lookahead_generate(model, input_ids, max_new_tokens=64, window=4, ngram=4, guesses=4)
+        print(out.stats.tokens_per_target_forward)
+    """
+    for name, value, least in (("window", window, 1), ("ngram", ngram, 2), ("guesses", guesses, 1),
+                               ("pool_size", pool_size, 1)):
+        if not is_int(value) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    t_start = time.perf_counter()
+    model = as_protocol_model(model)
+    if not _accepts(model, "tree_mask"):
+        raise TypeError(f"lookahead_generate needs a model whose forward takes tree_mask (the built-in Llama and "
+                        f"HFCausalLM do), got {type(model).__name__}")
+    W, L, G = int(window), int(ngram) - 1, int(guesses)
+    widest = (W + G) * L                                  # the most tokens a step appends after the last one
+    request = _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                       pad_token_id, seed, max_cache_len, lookahead=widest)
+    if request.drafts < widest:  # _prepare sized the cache for drafts within the budget; a step appends all
+        needed = request.max_len + widest - request.drafts
+        if max_cache_len is not None:
+            raise ValueError(f"max_cache_len={max_cache_len} is too small: a lookahead step appends "
+                             f"{widest + 1} tokens per row, which needs {needed}")
+        request = dataclasses.replace(request, max_len=needed)
+    V, device, B = model.vocab_size, input_ids.device, input_ids.shape[0]
+    timer, stats = _PhaseTimer(device), _new_stats(B, device, G * L)
+    outputs = _Outputs(B, request.max_new_tokens, device)
+    stream = _Stream(streamer, B)
+    rows, host_rows = torch.arange(B, device=device), list(range(B))
+    cache = _new_cache(model, "model", B, request.max_len, device)
+    check = _LogitsCheck(device, ("model",))
+    full_mask, all_parents = (t.to(device) for t in lookahead_masks(W, L + 1, G))
+
+    # The prompts on the host, in one transfer before the loop: they seed the pools.
+    texts = [row[1: 1 + row[0]] for row in torch.cat([request.prompt_lengths[:, None], request.prompt], 1).tolist()]
+    pools = [NgramPool(L + 1, G, pool_size) for _ in range(B)]
+    for pool, text in zip(pools, texts, strict=True):
+        pool.add_text(text)
+    # The first guesses: tokens of the row's own prompt, drawn with a fixed seed (any guess is
+    # valid; the window's trajectories replace them).
+    picks = torch.randint(0, 2**62, (B, L, W), generator=torch.Generator().manual_seed(0))
+    levels = torch.stack([torch.tensor(text)[picks[b] % len(text)] for b, text in enumerate(texts)]).to(device)
+
+    with timer("prefill"):
+        logits = _last_logits(model, request.prompt, cache, request.prompt_lengths, request.prompt_tokens,
+                              max_seqlen=request.prompt.shape[1])
+        token = request.sample(check("model", V, logits))
+    stats.target_forwards += 1
+    new, accepted = token[:, None], torch.zeros_like(rows)
+    grams = torch.empty(B, 0, L + 1, dtype=torch.int64, device=device)
+    switch = LookaheadSwitch(adaptive)
+    with stream:
+        while True:
+            kept, done = outputs.write(rows, new, accepted + 1, request.eos)
+            stream.add(host_rows, kept, new)
+            running, (longest, shortest, new_host, kept_host, grams_host, *streamed) = _rows_still_running(
+                done, check, *_running_range(cache.lengths, done), new, kept, grams, *stream.values())
+            stream.put(*streamed)
+            # The pools learn the committed text and the window's n-grams of every row still running.
+            width, per_row = new.shape[1], grams.shape[1] * (L + 1)
+            candidates, gained = [], 0
+            for i in range(len(host_rows)):
+                committed = [t for t, k in zip(new_host[i * width: (i + 1) * width],
+                                               kept_host[i * width: (i + 1) * width], strict=True) if k]
+                gained += len(committed) - 1
+                if i not in running:
+                    continue
+                row = host_rows[i]
+                texts[row] += committed
+                pools[row].add_text(texts[row], len(committed))
+                flat = grams_host[i * per_row: (i + 1) * per_row]
+                for j in range(0, per_row, L + 1):
+                    pools[row].add(tuple(flat[j: j + L + 1]))
+                candidates.append(pools[row].continuations(texts[row][-1])[:G])
+            switch.observe(timer.last("target") + timer.last("sampler"), gained / len(host_rows))
+            if not running:
+                break
+            if len(running) < len(rows):
+                keep = _host_list_to(running, device)
+                rows, token, levels, cache = rows[keep], token[keep], levels[keep], cache.select(keep)
+                host_rows = [host_rows[i] for i in running]
+            b = len(running)
+            if not switch.lookahead():
+                with timer("target"):
+                    logits = check("model", V, _forward(model, token[:, None], cache, max_seqlen=longest + 1,
+                                                        min_seqlen=shortest + 1))
+                stats.target_forwards += 1
+                with timer("sampler"):
+                    token = request.sample(logits[:, 0])
+                    new, accepted = token[:, None], torch.zeros_like(rows)
+                    grams = grams[:, :0]
+                stats.num_steps[rows] += 1
+                stats.draft_lengths[host_rows, 0] += 1
+                continue
+            g = max(map(len, candidates))
+            num_nodes = [len(c) * L for c in candidates]
+            flat_candidates = [t for c in candidates for t in [*sum(c, ()), *[0] * ((g - len(c)) * L)]]
+            for row, n in zip(host_rows, num_nodes, strict=True):
+                stats.draft_lengths[row, n] += 1  # steps by candidate tokens verified
+            T = 1 + (W + g) * L
+            ids = torch.cat([token[:, None], levels.reshape(b, W * L)], 1)
+            if g:
+                ids = torch.cat([ids, _host_list_to(flat_candidates, device).view(b, g * L)], 1)
+            with timer("target"):
+                start = cache.lengths.clone()
+                logits = check("model", V, _forward(model, ids, cache, max_seqlen=longest + T, min_seqlen=shortest + T,
+                                                    tree_mask=full_mask[:T, :T].expand(b, T, T).contiguous()))
+            stats.target_forwards += 1
+            with timer("sampler"):
+                last = logits[:, 1 + (L - 1) * W: 1 + L * W].argmax(-1)          # [b, W]: after the last level
+                grams = torch.cat([levels.transpose(1, 2), last[..., None]], 2)  # [b, W, N]: column n-grams
+                levels = torch.cat([levels[:, 1:], last[:, None]], 1)
+                if g:
+                    nodes = _host_list_to(num_nodes, device)
+                    result = tree_rejection_sample(
+                        torch.cat([logits[:, :1], logits[:, 1 + W * L:]], 1), None, ids[:, 1 + W * L:],
+                        all_parents[: g * L].expand(b, g * L), nodes, **request.sampling,
+                        generator=request.generator, validate=False)
+                    new, accepted = result.token_ids.clamp(min=0), result.num_accepted
+                    path = torch.where(result.path >= 0, result.path + 1 + W * L, 0)
+                    cache.compact(torch.cat([torch.zeros_like(accepted)[:, None], path], 1), accepted + 1, start=start)
+                    stats.num_proposed[rows] += nodes
+                else:
+                    new, accepted = request.sample(logits[:, 0])[:, None], torch.zeros_like(rows)
+                    cache.crop(start + 1)
+                token = new.gather(1, accepted[:, None])[:, 0]
+            stats.num_steps[rows] += 1
+            stats.num_accepted[rows] += accepted
+    return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)

@@ -1,0 +1,143 @@
+"""lookahead_generate: greedy output equals greedy generate token for token (ragged rows, EOS
+inside an accepted n-gram, steps wider than the budget, adaptive or not), sampling follows the
+target's distribution (chi-square), one host sync per step, and the n-gram pools' bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sampling_distribution import chi_square_pvalue
+
+from specdec_kernels import generate, lookahead_generate
+from specdec_kernels.lookahead import NgramPool, lookahead_masks
+from specdec_kernels.model import tree_depths
+from specdec_kernels.testing import SyncCounter
+
+from tiny_models import V, ragged_prompts, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0, scale=3.0, layers=2)
+
+
+def repetitive_prompts(B: int, seed: int):
+    """Ragged prompts whose last 6 tokens come twice more: the pools find n-grams to verify."""
+    ids, mask = ragged_prompts(B=B, seed=seed)
+    ids = torch.cat([ids, ids[:, -6:], ids[:, -6:]], 1)
+    return ids, torch.cat([mask, torch.ones(B, 12, dtype=mask.dtype)], 1)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("window,ngram,guesses", [(1, 2, 1), (4, 4, 4), (3, 3, 5), (8, 5, 2)])
+def test_equals_greedy_generate(target, window, ngram, guesses, adaptive):
+    ids, mask = repetitive_prompts(B=5, seed=2)
+    plain = generate(target, ids, mask, max_new_tokens=24, temperature=0)
+    out = lookahead_generate(target, ids, mask, window=window, ngram=ngram, guesses=guesses, max_new_tokens=24,
+                             adaptive=adaptive)
+    assert torch.equal(out.tokens, plain.tokens)
+    assert out.stats.num_generated.tolist() == [24] * 5
+    if not adaptive:
+        assert out.stats.num_accepted.sum() > 0  # the repeated tokens' n-grams were verified and kept
+
+
+def test_eos_inside_an_accepted_ngram_ends_the_row(target):
+    ids, mask = repetitive_prompts(B=4, seed=3)
+    plain = generate(target, ids, mask, max_new_tokens=20, temperature=0)
+    out = lookahead_generate(target, ids, mask, max_new_tokens=20, adaptive=False)
+    steps = out.stats.num_steps[1]
+    assert steps < 19, "row 1 accepted nothing: the test needs an accepted n-gram"
+    # An accepted run of row 1: a token that came with others in one step ends the row there.
+    eos = int(plain.tokens[1, 10])
+    expected = generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=eos, pad_token_id=0)
+    got = lookahead_generate(target, ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=0, adaptive=False)
+    assert torch.equal(got.tokens, expected.tokens)
+    assert torch.equal(got.stats.num_generated, expected.stats.num_generated)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
+def test_steps_wider_than_the_budget(target, max_new_tokens):
+    ids, mask = repetitive_prompts(B=3, seed=5)
+    plain = generate(target, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+    out = lookahead_generate(target, ids, mask, window=8, ngram=5, guesses=4, max_new_tokens=max_new_tokens,
+                             adaptive=False)
+    assert torch.equal(out.tokens, plain.tokens)
+
+
+def test_a_too_small_max_cache_len_is_refused(target):
+    ids, mask = repetitive_prompts(B=2, seed=5)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        lookahead_generate(target, ids, mask, window=8, ngram=5, guesses=4, max_new_tokens=2,
+                           max_cache_len=ids.shape[1] + 3)
+
+
+def test_sampling_follows_the_target():
+    """The first two sampled tokens of many copies of one prompt: their joint distribution is the
+    target's (chi-square). The prompt holds every token followed by the next two, so each row's
+    second token comes from a step that verifies a candidate after its first."""
+    model = tiny_llama(seed=1, scale=1.0, layers=2)
+    prompt = torch.cat([torch.arange(V), torch.arange(V)])[None]
+    rows = 2000
+    out = lookahead_generate(model, prompt.expand(rows, -1), window=2, ngram=3, guesses=2, max_new_tokens=2,
+                             temperature=1.0, seed=0, adaptive=False)
+    assert (out.stats.num_proposed >= 2).all()  # every row verified a candidate (2 tokens) after its first
+    first, second = out.tokens[:, 0], out.tokens[:, 1]
+    with torch.inference_mode():
+        p1 = torch.softmax(generate_logits(model, prompt), -1)[0]                    # [V]
+        p2 = torch.softmax(generate_logits(model, torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)), -1)
+    joint = (p1[:, None] * p2).flatten()
+    assert chi_square_pvalue(first * V + second, joint) > 1e-3
+
+
+def generate_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The model's next-token logits after each row of ``ids`` (a fresh cache)."""
+    cache = model.new_cache(ids.shape[0], ids.shape[1])
+    return model(ids, cache)[:, -1].float()
+
+
+def test_sampling_is_seeded(target):
+    ids, mask = repetitive_prompts(B=3, seed=6)
+    runs = [lookahead_generate(target, ids, mask, max_new_tokens=16, temperature=0.8, top_k=20, seed=3,
+                               adaptive=False) for _ in range(2)]
+    assert torch.equal(runs[0].tokens, runs[1].tokens)
+    assert ((runs[0].tokens >= 0) & (runs[0].tokens < V)).all()
+
+
+def test_one_host_sync_per_step(target):
+    ids, mask = repetitive_prompts(B=3, seed=4)
+    with SyncCounter() as syncs:
+        out = lookahead_generate(target, ids, mask, max_new_tokens=12, adaptive=False)
+    in_loop = [e for e in syncs.events if "_prepare" not in e.where and "prefill" not in e.where]
+    seeding = [e for e in in_loop if "lookahead_generate" in e.where]  # the prompts, once, for the pools
+    assert len(seeding) == 1
+    in_loop = [e for e in in_loop if e not in seeding]
+    assert all("_rows_still_running" in e.where for e in in_loop), in_loop
+    assert len(in_loop) == int(out.stats.num_steps.max()) + 1
+
+
+def test_masks_give_each_token_its_trajectory():
+    mask, parents = lookahead_masks(window=3, ngram=3, guesses=2)
+    # Inputs: the last token, level 0 (3), level 1 (3), two candidates of 2 tokens.
+    assert mask.shape == (11, 11) and parents.tolist() == [-1, 0, -1, 2]
+    assert mask[5].nonzero().flatten().tolist() == [0, 1, 2, 5]        # level 1, column 1
+    assert mask[10].nonzero().flatten().tolist() == [0, 9, 10]         # candidate 1's second token
+    depths = tree_depths(mask[None], None, 11, torch.device("cpu"))[0]
+    assert depths.tolist() == [0, 1, 2, 3, 2, 3, 4, 1, 2, 1, 2]         # positions after the last token
+
+
+def test_pool_bounds():
+    pool = NgramPool(n=3, per_key=2, max_keys=3)
+    pool.add_text([1, 2, 3, 1, 2, 4, 1, 2, 5])
+    assert pool.continuations(1) == [(2, 5), (2, 4)]                    # newest first, at most 2
+    pool.add((1, 2, 4))
+    assert pool.continuations(1) == [(2, 4), (2, 5)]                    # added again: newest
+    for key in (7, 8, 9):
+        pool.add((key, 0, 0))
+    assert pool.continuations(1) == [] and len(pool._pool) == 3        # the oldest key dropped
+
+
+@pytest.mark.parametrize("name,value", [("window", 0), ("ngram", 1), ("guesses", 0), ("pool_size", 0)])
+def test_bad_options_are_refused(target, name, value):
+    ids, mask = ragged_prompts(B=2)
+    with pytest.raises(ValueError, match=name):
+        lookahead_generate(target, ids, mask, max_new_tokens=4, **{name: value})
