@@ -43,6 +43,13 @@ PROMPTS = (
     "Repeat this sentence three times: the quick brown fox jumps over the lazy dog.",
     "List the days of the week, one per line, each followed by its number in the week.",
 )
+#: Prompts whose answers repeat little of them (the lookahead table's second set).
+OPEN_PROMPTS = (
+    "Explain in a few sentences why the sky is blue.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the benefits of regular exercise for older adults?",
+    "Describe how a bicycle's gears make climbing a hill easier.",
+)
 DRAFT_LAYERS = 6  # the layer-skip draft: the target's first 6 of 30 layers
 
 
@@ -91,8 +98,8 @@ def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torc
     return Setup(model, hf, hf_draft, tokenizer)
 
 
-def encode(setup: Setup, batch_size: int):
-    texts = [setup.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+def encode(setup: Setup, batch_size: int, prompts: tuple[str, ...] = PROMPTS):
+    texts = [setup.tokenizer.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}],
                                                  tokenize=False, add_generation_prompt=True)
              for i in range(batch_size)]
     setup.tokenizer.padding_side = "left"
@@ -402,6 +409,61 @@ def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), r
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
+def run_lookahead(setup: Setup, batch_size: int, max_new_tokens: int, config: tuple | None, prompts=PROMPTS):
+    """One greedy run of our plain generate (``config`` None) or `lookahead_generate` with
+    ``config = (window, ngram, guesses, adaptive)``."""
+    from specdec_kernels import lookahead_generate
+
+    ids, mask = encode(setup, batch_size, prompts)
+    if config is None:
+        return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+    window, ngram, guesses, adaptive = config
+    return lookahead_generate(setup.model, ids, mask, window=window, ngram=ngram, guesses=guesses,
+                              adaptive=adaptive, max_new_tokens=max_new_tokens)
+
+
+LOOKAHEAD_CONFIGS = ((1, 4, 4), (2, 3, 4), (4, 4, 4))
+
+
+def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAHEAD_CONFIGS, repeats: int = 3,
+                    pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                    random_weights: str | None = None) -> str:
+    """`lookahead_generate` (each (window, ngram, guesses), fixed and adaptive) against our plain
+    generate on the demo prompts (copy-heavy: code to rewrite, a list to copy, a sentence to
+    repeat) and on open questions (`OPEN_PROMPTS`); greedy, every method ``repeats`` times,
+    interleaved; tokens per target forward and wall-clock speedup, medians; each run's tokens
+    are checked against plain's. A markdown table plus the machine line."""
+    from benchmarks.timing import machine_line
+
+    setup = load_setup(pack, device, dtype, random_weights)
+    lines = []
+    for B in batch_sizes:
+        for name, prompts in (("copy-heavy", PROMPTS), ("open", OPEN_PROMPTS)):
+            methods = [None, *((*c, a) for c in configs for a in (False, True))]
+            for m in methods:  # warm-up
+                run_lookahead(setup, B, 4, m, prompts)
+            runs = {m: [] for m in methods}
+            for _ in range(repeats):
+                for m in methods:
+                    runs[m].append(_timed(setup, run_lookahead, B, max_new_tokens, m, prompts))
+            median = {m: sorted(r, key=lambda x: x[0])[len(r) // 2] for m, r in runs.items()}
+            plain_s, plain = median[None]
+            for m in methods[1:]:
+                seconds, out = median[m]
+                if not torch.equal(out.tokens, plain.tokens):
+                    raise AssertionError(f"lookahead_generate{m} gave other tokens than greedy generate")
+                w, n, g, adaptive = m
+                verified = out.stats.num_proposed.sum() / out.stats.num_steps.sum()
+                lines.append(f"| {B} | {name} | {w}, {n}, {g} | {'adaptive' if adaptive else 'fixed'} | "
+                             f"{out.stats.tokens_per_target_forward:.2f} | {verified:.1f} | "
+                             f"{plain_s / seconds:.2f}x |")
+    header = ("| batch | prompts | W, N, G | steps | tokens per target forward | candidate tokens verified per step | "
+              "vs plain |\n|---|---|---|---|---|---|---|")
+    return (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+            f"{max_new_tokens} new tokens per row, median of {repeats} interleaved runs\n"
+            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+
+
 def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3,
                     device: str = "cpu", dtype: torch.dtype = torch.float32,
                     cuda_graphs: bool = True, random_weights: str | None = None) -> str:
@@ -474,7 +536,15 @@ if __name__ == "__main__":
     parser.add_argument("--trees", action="store_true",
                         help="prompt-lookup trees against chains at equal verify width (no HF runs)")
     parser.add_argument("--jacobi", action="store_true", help="jacobi_generate against our plain generate")
+    parser.add_argument("--lookahead", action="store_true",
+                        help="lookahead_generate (fixed and adaptive) against our plain generate, copy-heavy and "
+                             "open prompts")
     args = parser.parse_args()
+    if args.lookahead:
+        print(lookahead_table(args.max_new_tokens, tuple(args.batch_sizes), repeats=args.repeats,
+                              pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),
+                              random_weights=args.random_weights))
+        raise SystemExit(0)
     if args.jacobi:
         print(jacobi_table(args.max_new_tokens, tuple(args.batch_sizes), repeats=args.repeats, pack=not args.no_pack,
                            device=args.device, dtype=getattr(torch, args.dtype), random_weights=args.random_weights))

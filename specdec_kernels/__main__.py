@@ -182,7 +182,7 @@ def _run_rounds(args: argparse.Namespace, model, draft, encodings: list, samplin
     of the first batch goes to ``streamer`` at full length, when one is given."""
     import torch
 
-    from specdec_kernels import generate, speculative_generate
+    from specdec_kernels import generate, jacobi_generate, lookahead_generate, speculative_generate
 
     cuda = torch.device(args.device).type == "cuda"
 
@@ -190,6 +190,12 @@ def _run_rounds(args: argparse.Namespace, model, draft, encodings: list, samplin
         t0 = time.perf_counter()
         if method == "plain":
             out = generate(model, enc.input_ids, enc.attention_mask, **options)
+        elif args.method == "lookahead":
+            out = lookahead_generate(model, enc.input_ids, enc.attention_mask, **options)
+        elif args.method == "jacobi":  # greedy only (checked): no sampling options
+            out = jacobi_generate(model, enc.input_ids, enc.attention_mask,
+                                  **{k: v for k, v in options.items() if k in ("max_new_tokens", "eos_token_id",
+                                                                                "streamer")})
         else:
             out = speculative_generate(model, draft, enc.input_ids, enc.attention_mask, num_draft_tokens=args.k,
                                        **options)
@@ -234,7 +240,8 @@ def _report(args: argparse.Namespace, model, tokenizer, prompts: list[str], run:
              for _, spec in run.outputs for i in range(len(spec.stats.num_generated))]
     for prompt, text in zip(prompts, texts, strict=True):
         print(f"\n>>> {prompt}\n{text.strip()}")
-    print(f"\ndraft: {args.draft}, K={args.k}, temperature={args.temperature}, top-k={args.top_k or 'off'}, "
+    method = f"draft: {args.draft}, K={args.k}" if args.method == "speculative" else f"method: {args.method}"
+    print(f"\n{method}, temperature={args.temperature}, top-k={args.top_k or 'off'}, "
           f"top-p={args.top_p or 'off'}, batch size {args.batch_size}, device {args.device}")
     plan = getattr(getattr(model, "output", None), "plan", None)  # the built-in model's matmul forms
     if plan is not None:
@@ -244,7 +251,7 @@ def _report(args: argparse.Namespace, model, tokenizer, prompts: list[str], run:
     print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens per round)")
     print(f"timing: median of {args.rounds} round(s), each decoding every batch plainly then speculatively, "
           "batch by batch; the untimed warm-up runs before them (the streamed one among them) are excluded")
-    for name, times in (("plain decoding:", run.plain), ("speculative decoding:", run.speculative)):
+    for name, times in (("plain decoding:", run.plain), (f"{args.method} decoding:", run.speculative)):
         rounds = ", ".join(f"{s:.2f}" for s in times.seconds)
         print(f"{name:22}{times.median_seconds:7.2f} s per round ({rounds}), {times.tokens_per_second:7.1f} tokens/s")
     print(f"{'speedup:':22}{speedup(run.plain, run.speculative):7.2f}x (median tokens/s, speculative / plain)")
@@ -341,6 +348,8 @@ def _check_demo_args(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
     if layers is not None and layers > SMOLLM2_NUM_LAYERS:
         demo.error(f"--draft {args.draft}: {SMOLLM2_NAME} has {SMOLLM2_NUM_LAYERS} layers, "
                    f"so N must lie in 1..{SMOLLM2_NUM_LAYERS}")
+    if args.method == "jacobi" and args.temperature != 0:
+        demo.error(f"--method jacobi is greedy: it needs --temperature 0, got {args.temperature}")
     if any(not prompt.strip() for prompt in args.prompt or ()):
         demo.error("--prompt must not be empty")
     try:
@@ -378,6 +387,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add("--draft", default="prompt_lookup", metavar="KIND",
         help=f"'prompt_lookup' (n-gram lookup in the context) or 'layers:N' (the model's first N of its "
              f"{SMOLLM2_NUM_LAYERS} layers) (default: %(default)s)")
+    add("--method", choices=("speculative", "lookahead", "jacobi"), default="speculative",
+        help="what plain decoding is compared with: speculative decoding with --draft, lookahead decoding "
+             "(lookahead_generate, its defaults) or Jacobi decoding (jacobi_generate, greedy) (default: %(default)s)")
     add("-k", "--num-draft-tokens", dest="k", type=int, default=4,
         help="draft tokens per speculative step (default: %(default)s)")
     add("--temperature", type=float, default=0.0, metavar="T",

@@ -34,7 +34,16 @@ import torch
 
 from ._checks import is_int
 from ._draft_lengths import COST_DECAY, DECAY
-from ._model_calls import _accepts, _forward, _last_logits, _LogitsCheck, _new_cache, as_protocol_model
+from ._model_calls import (
+    _accepts,
+    _decoding_forward,
+    _forward,
+    _last_logits,
+    _LogitsCheck,
+    _new_cache,
+    _use_cuda_graphs,
+    as_protocol_model,
+)
 from .generation import (
     GenerationOutput,
     _finish,
@@ -95,47 +104,53 @@ class NgramPool:
 
 class LookaheadSwitch:
     """Each step, a lookahead step or a plain one (one token per row), from what the run measured:
-    the seconds of each kind of step (forgotten exponentially, `COST_DECAY` per sample) and the
-    tokens a lookahead step gained per row beyond the one every step gives (forgotten by
-    `DECAY`). A lookahead step is taken while ``(1 + gain) / seconds`` beats a plain step's
-    ``1 / seconds``; each kind is timed before the first choice, the first step of each kind
-    (one-time costs) is not counted, and after `PROBE_EVERY` plain steps in a row one lookahead
-    step probes whether the text changed. ``adaptive=False``: always lookahead. Host arithmetic
-    on the numbers the loop's transfer brings: no synchronization.
+    the seconds of each kind of step (forgotten exponentially, `COST_DECAY` per sample), and the
+    tokens a row with candidates gained beyond the one every step gives (forgotten by `DECAY`).
+    A lookahead step is taken while ``(1 + gain * share) / seconds`` beats a plain step's
+    ``1 / seconds``, ``share`` the running rows with candidates this step. Each kind is timed
+    before the first choice (the first step of each kind, one-time costs, is not counted); a
+    lookahead step probes again after plain steps whose cost the probe's extra time would add to
+    by at most a twentieth. ``adaptive=False``: always lookahead. Host arithmetic on the numbers
+    the loop's transfer brings: no synchronization.
     """
 
     def __init__(self, adaptive: bool) -> None:
         self.adaptive = adaptive
         self.seconds = {True: [0.0, 0.0], False: [0.0, 0.0]}  # kind -> forgotten sums: seconds, samples
         self.seen = {True: 0, False: 0}
-        self.gain = [0.0, 0.0]                                # forgotten sums: tokens gained per row, steps
-        self.last: bool | None = None                         # the kind of the step being run
+        self.gain = [0.0, 0.0]           # forgotten sums: tokens gained beyond one, rows with candidates
+        self.step: tuple[bool, list[bool]] | None = None  # the running step: its kind, rows with candidates
         self.plain_run = 0
 
-    def observe(self, seconds: float, gained_per_row: float) -> None:
-        """The last step's seconds (target forward and sampling) and its tokens per row beyond one."""
-        kind, self.last = self.last, None
-        if kind is None:
+    def observe(self, seconds: float, gained: list[int]) -> None:
+        """The last step's seconds (target forward and sampling) and each of its rows' tokens
+        beyond one (in the step's row order)."""
+        if self.step is None:
             return
+        (kind, had), self.step = self.step, None
         self.seen[kind] += 1
         if self.seen[kind] > 1:
             total = self.seconds[kind]
             total[0], total[1] = COST_DECAY * total[0] + seconds, COST_DECAY * total[1] + 1
-        if kind:
-            self.gain[0], self.gain[1] = DECAY * self.gain[0] + gained_per_row, DECAY * self.gain[1] + 1
+        if kind and any(had):
+            rows = [g for g, h in zip(gained, had, strict=True) if h]
+            self.gain[0] = DECAY ** len(rows) * self.gain[0] + sum(rows)
+            self.gain[1] = DECAY ** len(rows) * self.gain[1] + len(rows)
 
-    def lookahead(self) -> bool:
-        """Whether the next step is a lookahead step."""
+    def choose(self, has_candidates: list[bool]) -> bool:
+        """Whether the next step is a lookahead step, given which running rows have candidates."""
+        share = sum(has_candidates) / len(has_candidates)
         if not self.adaptive:
             choice = True
         elif self.seconds[True][1] == 0 or self.seconds[False][1] == 0:
             choice = self.seconds[True][1] == 0  # time each kind (after its first step) first
         else:
             lookahead_s, plain_s = (t / n for t, n in (self.seconds[True], self.seconds[False]))
-            gain = self.gain[0] / self.gain[1]
-            choice = (1 + gain) / lookahead_s >= 1 / plain_s or self.plain_run >= PROBE_EVERY
+            gain = self.gain[0] / self.gain[1] if self.gain[1] else 1.0  # before any measure: hopeful
+            probe = share > 0 and self.plain_run * plain_s >= 20 * (lookahead_s - plain_s)
+            choice = (1 + gain * share) / lookahead_s >= 1 / plain_s or probe
         self.plain_run = 0 if choice else self.plain_run + 1
-        self.last = choice
+        self.step = (choice, has_candidates)
         return choice
 
 
@@ -176,7 +191,7 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                        temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                        eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                        seed: int | None = None, max_cache_len: int | None = None, pool_size: int = 4096,
-                       adaptive: bool = True, streamer=None) -> GenerationOutput:
+                       adaptive: bool = True, cuda_graphs: bool | None = None, streamer=None) -> GenerationOutput:
     """Lookahead decoding (see the module docstring), batched over ragged rows: greedy output
     equals `generate(..., temperature=0)` token for token; with temperature > 0 the output is
     distributed as `generate`'s (the candidates are verified by `tree_rejection_sample`).
@@ -185,7 +200,8 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         model: a model following the protocol (`specdec_kernels.generation`) whose forward takes
             ``tree_mask`` (the built-in `Llama`, transformers models in `HFCausalLM`).
         input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-            pad_token_id, seed, max_cache_len, streamer: as in `generate` (the cache also needs
+            pad_token_id, seed, max_cache_len, cuda_graphs, streamer: as in `generate` (CUDA
+            graphs replay the plain steps; lookahead steps run eagerly; the cache also needs
             room for one step's input: longest prompt + max_new_tokens - 1 + T - 1).
         window: W >= 1, the lookahead branch's columns.
         ngram: N >= 2, the n-gram size: N - 1 lookahead levels and candidates of N - 1 tokens.
@@ -233,6 +249,8 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     rows, host_rows = torch.arange(B, device=device), list(range(B))
     cache = _new_cache(model, "model", B, request.max_len, device)
     check = _LogitsCheck(device, ("model",))
+    graphs = _use_cuda_graphs(cuda_graphs, (model,), device)
+    plain_step = check.checked("model", V, _decoding_forward(model, cache, "model", graphs, last_only=True))
     full_mask, all_parents = (t.to(device) for t in lookahead_masks(W, L + 1, G))
 
     # The prompts on the host, in one transfer before the loop: they seed the pools.
@@ -262,11 +280,11 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             stream.put(*streamed)
             # The pools learn the committed text and the window's n-grams of every row still running.
             width, per_row = new.shape[1], grams.shape[1] * (L + 1)
-            candidates, gained = [], 0
+            candidates, gained = [], []
             for i in range(len(host_rows)):
                 committed = [t for t, k in zip(new_host[i * width: (i + 1) * width],
                                                kept_host[i * width: (i + 1) * width], strict=True) if k]
-                gained += len(committed) - 1
+                gained.append(len(committed) - 1)
                 if i not in running:
                     continue
                 row = host_rows[i]
@@ -276,7 +294,7 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                 for j in range(0, per_row, L + 1):
                     pools[row].add(tuple(flat[j: j + L + 1]))
                 candidates.append(pools[row].continuations(texts[row][-1])[:G])
-            switch.observe(timer.last("target") + timer.last("sampler"), gained / len(host_rows))
+            switch.observe(timer.last("target") + timer.last("sampler"), gained)
             if not running:
                 break
             if len(running) < len(rows):
@@ -284,13 +302,12 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                 rows, token, levels, cache = rows[keep], token[keep], levels[keep], cache.select(keep)
                 host_rows = [host_rows[i] for i in running]
             b = len(running)
-            if not switch.lookahead():
+            if not switch.choose([bool(c) for c in candidates]):
                 with timer("target"):
-                    logits = check("model", V, _forward(model, token[:, None], cache, max_seqlen=longest + 1,
-                                                        min_seqlen=shortest + 1))
+                    logits = plain_step(token[:, None], cache, max_seqlen=longest + 1, min_seqlen=shortest + 1)
                 stats.target_forwards += 1
                 with timer("sampler"):
-                    token = request.sample(logits[:, 0])
+                    token = request.sample(logits)
                     new, accepted = token[:, None], torch.zeros_like(rows)
                     grams = grams[:, :0]
                 stats.num_steps[rows] += 1

@@ -127,6 +127,8 @@ def fake_decoding(monkeypatch):
                  id="gemma-layer-draft"),
     pytest.param(["--model", "gpt5"], "invalid choice: 'gpt5'", id="model-unknown"),
     pytest.param(["--prompt", " "], "--prompt must not be empty", id="prompt-blank"),
+    pytest.param(["--method", "jacobi", "--temperature", "0.7"], "--method jacobi is greedy", id="jacobi-sampled"),
+    pytest.param(["--method", "beam"], "invalid choice: 'beam'", id="method-unknown"),
     pytest.param(["--device", "bogus"], "--device must be 'cpu', 'cuda' or 'cuda:N'", id="device-bogus"),
     pytest.param(["--device", "meta"], "--device must be 'cpu', 'cuda' or 'cuda:N'", id="device-meta"),
     pytest.param(["--device", "cuda:99"], "--device cuda:99", id="device-cuda-99"),
@@ -294,6 +296,17 @@ def test_demo_runs_end_to_end_on_a_tiny_model(monkeypatch, capsys, draft):
     assert "error: " in capsys.readouterr().err
     assert main(["demo", "--draft", "layers:5", "--prompt", "hi"]) == 2  # the tiny model has 2 layers
     assert "--draft layers:5: num_layers must be in [1, 2]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["lookahead", "jacobi"])
+def test_demo_compares_lookahead_and_jacobi_decoding(monkeypatch, capsys, method):
+    monkeypatch.setattr(pretrained, "load_smollm2", lambda device: (tiny_llama().to(device), _CharTokenizer()))
+    assert main(["demo", "--max-new-tokens", "6", "--method", method, "--batch-size", "2", "--rounds", "1",
+                 *THREE_PROMPTS]) == 0
+    out = capsys.readouterr().out
+    for line in (f"method: {method}", "plain decoding:", f"{method} decoding:", "speedup:",
+                 "token check: speculative tokens equal plain tokens in all 3 rows"):
+        assert line in out
 
 
 @pytest.mark.slow
