@@ -187,7 +187,7 @@ def lookahead_masks(window: int, ngram: int, guesses: int) -> tuple[torch.Tensor
 
 @torch.inference_mode()
 def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                       window: int = 4, ngram: int = 4, guesses: int = 4, max_new_tokens: int,
+                       window: int = 2, ngram: int = 3, guesses: int = 4, max_new_tokens: int,
                        temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                        eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                        seed: int | None = None, max_cache_len: int | None = None, pool_size: int = 4096,
