@@ -539,9 +539,14 @@ if __name__ == "__main__":
     parser.add_argument("--lookahead", action="store_true",
                         help="lookahead_generate (fixed and adaptive) against our plain generate, copy-heavy and "
                              "open prompts")
+    parser.add_argument("--lookahead-configs", nargs="+", default=None, metavar="W,N,G",
+                        help="the lookahead table's (window, ngram, guesses) (default: "
+                             + " ".join(",".join(map(str, c)) for c in LOOKAHEAD_CONFIGS) + ")")
     args = parser.parse_args()
     if args.lookahead:
-        print(lookahead_table(args.max_new_tokens, tuple(args.batch_sizes), repeats=args.repeats,
+        configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else
+                   tuple(tuple(int(x) for x in c.split(",")) for c in args.lookahead_configs))
+        print(lookahead_table(args.max_new_tokens, tuple(args.batch_sizes), configs, repeats=args.repeats,
                               pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),
                               random_weights=args.random_weights))
         raise SystemExit(0)

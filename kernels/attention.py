@@ -124,9 +124,9 @@ def _ragged_attn_fwd_kernel(
             # set (the keys before the new tokens are seen by every real query, as above). A
             # block's BN keys start anywhere in a word, so they take bits from up to
             # (BN + 31) // 32 + 1 consecutive words of each row, loaded as [BM] vectors. Only the
-            # blocks that reach the new tokens take this branch: the loop over a long row's
-            # cached keys stays the causal kernel's (the mask's work in every block, or a loop
-            # of its own for the last blocks, cost 1.2-1.7x the causal call on an H200).
+            # blocks that reach the new tokens take this branch, so the loop over a long row's
+            # cached keys does the causal kernel's work (the alternatives measured slower:
+            # docs/performance.md, "Tree masks").
             if start + BN > new_start:
                 j = o_n - new_start
                 jj = tl.maximum(j, 0)

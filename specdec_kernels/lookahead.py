@@ -1,8 +1,8 @@
 """Lookahead decoding: Jacobi trajectories feed an n-gram pool, the pool's n-grams are verified.
 
 Lookahead decoding (Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using
-Lookahead Decoding") needs no draft model. Each step runs one forward per row over three parts,
-under one ``tree_mask``:
+Lookahead Decoding") needs no draft model. Each lookahead step runs one batched forward whose
+rows each hold three parts, under one ``tree_mask``:
 
 - the row's last committed token;
 - the *lookahead branch*: a window of W columns and N - 1 levels of guesses (level 0 oldest).
@@ -20,8 +20,9 @@ repeats its prompt is found as prompt lookup finds it.
 
 The pools live on the host: each step's one transfer reads the committed tokens and the W new
 n-grams of every row, and the candidates go back in one copy (no host sync per row). A pool keeps
-at most ``pool_size`` keys per row, each with its ``guesses`` most recent n-grams: at most
-``pool_size * guesses * (N - 1)`` token ids per row (with the defaults 4096 * 4 * 3 ints).
+at most ``pool_size`` first tokens per row, each with its ``guesses`` most recent continuations
+of N - 1 tokens: at most ``pool_size * (1 + guesses * (N - 1))`` token ids per row (with the
+defaults 4096 * 9, held as Python tuples of ints: a few MB per row at most).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ._model_calls import (
     _use_cuda_graphs,
     as_protocol_model,
 )
+from .cuda_graphs import GraphedForward
 from .generation import (
     GenerationOutput,
     _finish,
@@ -57,9 +59,6 @@ from .generation import (
     _Stream,
 )
 from .tree_sampling import tree_rejection_sample
-
-#: Plain steps in a row after which the adaptive switch probes one lookahead step.
-PROBE_EVERY = 16
 
 
 class NgramPool:
@@ -121,15 +120,18 @@ class LookaheadSwitch:
         self.gain = [0.0, 0.0]           # forgotten sums: tokens gained beyond one, rows with candidates
         self.step: tuple[bool, list[bool]] | None = None  # the running step: its kind, rows with candidates
         self.plain_run = 0
+        self.slow_calls = GraphedForward.slow_calls  # graphed forwards that did not replay, so far
 
     def observe(self, seconds: float, gained: list[int]) -> None:
         """The last step's seconds (target forward and sampling) and each of its rows' tokens
-        beyond one (in the step's row order)."""
+        beyond one (in the step's row order). A plain step that ran its CUDA-graph shape eagerly
+        or recorded it (`GraphedForward`) did one-time work: its seconds are left out."""
+        slow_calls, self.slow_calls = self.slow_calls, GraphedForward.slow_calls
         if self.step is None:
             return
         (kind, had), self.step = self.step, None
         self.seen[kind] += 1
-        if self.seen[kind] > 1:
+        if self.seen[kind] > 1 and slow_calls == self.slow_calls:
             total = self.seconds[kind]
             total[0], total[1] = COST_DECAY * total[0] + seconds, COST_DECAY * total[1] + 1
         if kind and any(had):
@@ -198,21 +200,27 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 
     Args:
         model: a model following the protocol (`specdec_kernels.generation`) whose forward takes
-            ``tree_mask`` (the built-in `Llama`, transformers models in `HFCausalLM`).
-        input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-            pad_token_id, seed, max_cache_len, cuda_graphs, streamer: as in `generate` (CUDA
-            graphs replay the plain steps; lookahead steps run eagerly; the cache also needs
-            room for one step's input: longest prompt + max_new_tokens - 1 + T - 1).
+            ``tree_mask`` (the built-in `Llama`, transformers models in `HFCausalLM`; models
+            with sliding-window layers, e.g. Gemma 3 and Mistral, raise once the window hides
+            cached keys, as token trees do: `ragged_attention` takes no tree with such a window).
+        input_ids, attention_mask, max_new_tokens, top_k, top_p, eos_token_id, pad_token_id,
+            seed, max_cache_len, cuda_graphs, streamer: as in `generate` (CUDA graphs replay
+            the plain steps; lookahead steps run eagerly; the cache also needs room for one
+            step's input: longest prompt + max_new_tokens - 1 + (W + G) * (N - 1)).
+        temperature: as in `generate`, but greedy (0) by default: the tokens of greedy
+            `generate`, found in fewer forwards.
         window: W >= 1, the lookahead branch's columns.
         ngram: N >= 2, the n-gram size: N - 1 lookahead levels and candidates of N - 1 tokens.
         guesses: G >= 1, the most candidates verified per row and step (and kept per key).
         pool_size: the most first tokens a row's pool keeps.
         adaptive: choose each step between a lookahead step and a plain one from the measured
-            costs and gains (`LookaheadSwitch`), so that lookahead never costs much where it does
+            costs and gains (`LookaheadSwitch`), so that lookahead costs little where it does
             not pay; False: every step is a lookahead step.
 
-    Each forward scores T = 1 + (W + G') * (N - 1) tokens per row, G' the most candidates any row
-    has that step (0 when no row's pool knows its last token).
+    A lookahead step scores T = 1 + (W + G') * (N - 1) tokens per row, G' the most candidates
+    any row has that step (0 when no row's pool knows its last token); a plain step one. The
+    defaults are the best all-round setting measured on a 2-core CPU (docs/performance.md); on
+    a GPU, where a wider forward costs little more, wider windows pay.
 
     Returns:
         `GenerationOutput`; ``stats.num_proposed`` / ``num_accepted`` count candidate tokens
@@ -220,7 +228,7 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 
     Example::
 
-        out = lookahead_generate(model, input_ids, max_new_tokens=64, window=4, ngram=4, guesses=4)
+        out = lookahead_generate(model, input_ids, max_new_tokens=64)   # W=2, N=3, G=4, greedy
         print(out.stats.tokens_per_target_forward)
     """
     for name, value, least in (("window", window, 1), ("ngram", ngram, 2), ("guesses", guesses, 1),
@@ -236,11 +244,13 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     widest = (W + G) * L                                  # the most tokens a step appends after the last one
     request = _prepare(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, eos_token_id,
                        pad_token_id, seed, max_cache_len, lookahead=widest)
-    if request.drafts < widest:  # _prepare sized the cache for drafts within the budget; a step appends all
-        needed = request.max_len + widest - request.drafts
+    # _prepare counts only the drafts that fit the token budget; a lookahead step appends all.
+    needed = request.prompt.shape[1] + request.max_new_tokens - 1 + widest
+    if request.max_len < needed:
         if max_cache_len is not None:
-            raise ValueError(f"max_cache_len={max_cache_len} is too small: a lookahead step appends "
-                             f"{widest + 1} tokens per row, which needs {needed}")
+            raise ValueError(f"max_cache_len={max_cache_len} is too small: the longest prompt "
+                             f"({request.prompt.shape[1]} tokens) + max_new_tokens ({request.max_new_tokens}) - 1 "
+                             f"+ {widest} tokens a lookahead step appends after the last one needs {needed}")
         request = dataclasses.replace(request, max_len=needed)
     V, device, B = model.vocab_size, input_ids.device, input_ids.shape[0]
     timer, stats = _PhaseTimer(device), _new_stats(B, device, G * L)

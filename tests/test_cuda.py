@@ -606,3 +606,5 @@ def test_lookahead_on_cuda_equals_generate(adaptive):
                              adaptive=adaptive)
     assert_cpu_greedy_tokens(cpu_model, ids, mask, plain_cpu.tokens, out.tokens)
     assert out.stats.num_generated.tolist() == [24] * ids.shape[0]
+    if not adaptive:
+        assert out.stats.num_accepted.sum() > 0  # candidates were verified and kept

@@ -41,18 +41,42 @@ def test_equals_greedy_generate(target, window, ngram, guesses, adaptive):
         assert out.stats.num_accepted.sum() > 0  # the repeated tokens' n-grams were verified and kept
 
 
+class StepChunks:
+    """A streamer keeping, per row, the tokens each step added (lists of ints)."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.chunks = [[] for _ in range(batch_size)]
+
+    def put(self, token_ids) -> None:
+        for row, tokens in enumerate(token_ids):
+            if len(tokens):
+                self.chunks[row].append(tokens.tolist())
+
+    def end(self) -> None:
+        pass
+
+
 def test_eos_inside_an_accepted_ngram_ends_the_row(target):
     ids, mask = repetitive_prompts(B=4, seed=3)
-    plain = generate(target, ids, mask, max_new_tokens=20, temperature=0)
-    out = lookahead_generate(target, ids, mask, max_new_tokens=20, adaptive=False)
-    steps = out.stats.num_steps[1]
-    assert steps < 19, "row 1 accepted nothing: the test needs an accepted n-gram"
-    # An accepted run of row 1: a token that came with others in one step ends the row there.
-    eos = int(plain.tokens[1, 10])
+    chunks = StepChunks(4)
+    lookahead_generate(target, ids, mask, max_new_tokens=20, adaptive=False, streamer=chunks)
+    # A token that came in one step with tokens after it, and not earlier in its row: as EOS it
+    # ends the row inside the accepted n-gram.
+    found = None
+    for row, steps in enumerate(chunks.chunks):
+        before = []
+        for step in steps:
+            for i, token in enumerate(step[:-1]):
+                if token not in before + step[:i]:
+                    found = found or (row, token)
+            before += step
+    assert found is not None, "no step accepted an n-gram: the test needs one"
+    row, eos = found
     expected = generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=eos, pad_token_id=0)
     got = lookahead_generate(target, ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=0, adaptive=False)
     assert torch.equal(got.tokens, expected.tokens)
     assert torch.equal(got.stats.num_generated, expected.stats.num_generated)
+    assert got.stats.num_generated[row] < 20
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
@@ -64,23 +88,48 @@ def test_steps_wider_than_the_budget(target, max_new_tokens):
     assert torch.equal(out.tokens, plain.tokens)
 
 
-def test_a_too_small_max_cache_len_is_refused(target):
+def test_max_cache_len_must_hold_a_whole_step(target):
     ids, mask = repetitive_prompts(B=2, seed=5)
-    with pytest.raises(ValueError, match="max_cache_len"):
-        lookahead_generate(target, ids, mask, window=8, ngram=5, guesses=4, max_new_tokens=2,
-                           max_cache_len=ids.shape[1] + 3)
+    options = dict(window=8, ngram=5, guesses=4, max_new_tokens=2, temperature=0)
+    needed = ids.shape[1] + 2 - 1 + (8 + 4) * 4
+    with pytest.raises(ValueError, match=f"max_cache_len={needed - 1} is too small"):
+        lookahead_generate(target, ids, mask, max_cache_len=needed - 1, **options)
+    out = lookahead_generate(target, ids, mask, max_cache_len=needed, **options)
+    assert torch.equal(out.tokens, generate(target, ids, mask, max_new_tokens=2, temperature=0).tokens)
+
+
+class Successor(torch.nn.Module):
+    """The tiny model with a bonus on token ``input + 1`` after each input: the prompt's
+    ``t, t + 1, t + 2`` n-grams then make likely candidates."""
+
+    def __init__(self, inner, bonus: float) -> None:
+        super().__init__()
+        self.inner, self.bonus, self.vocab_size = inner, bonus, inner.vocab_size
+
+    def new_cache(self, batch_size, max_len, **kwargs):
+        return self.inner.new_cache(batch_size, max_len, **kwargs)
+
+    def forward(self, input_ids, cache, q_seqlens=None, tree_mask=None):
+        logits = self.inner(input_ids, cache, q_seqlens, tree_mask=tree_mask)
+        return logits + self.bonus * torch.nn.functional.one_hot((input_ids + 1) % V, V)
 
 
 def test_sampling_follows_the_target():
     """The first two sampled tokens of many copies of one prompt: their joint distribution is the
-    target's (chi-square). The prompt holds every token followed by the next two, so each row's
-    second token comes from a step that verifies a candidate after its first."""
-    model = tiny_llama(seed=1, scale=1.0, layers=2)
-    prompt = torch.cat([torch.arange(V), torch.arange(V)])[None]
+    target's (chi-square). The prompt holds every token followed by two different continuations
+    (its successor, which the model favours, and a random one), so each row's second token comes
+    from a step verifying two sibling candidates after its first: accepted often, rejected often
+    (then sampled from the residual)."""
+    model = Successor(tiny_llama(seed=1, scale=3.0, layers=2), bonus=5.0)
+    shuffled = torch.randperm(V, generator=torch.Generator().manual_seed(0))
+    prompt = torch.cat([torch.arange(V), shuffled])[None]  # (rows x prompt^2 attention scores: keep both small)
     rows = 2000
     out = lookahead_generate(model, prompt.expand(rows, -1), window=2, ngram=3, guesses=2, max_new_tokens=2,
                              temperature=1.0, seed=0, adaptive=False)
-    assert (out.stats.num_proposed >= 2).all()  # every row verified a candidate (2 tokens) after its first
+    assert (out.stats.num_proposed >= 2).all()  # every row verified candidates after its first token
+    assert (out.stats.num_proposed >= 4).float().mean() > 0.9  # most of them two siblings
+    accepted = (out.stats.num_accepted > 0).float().mean()
+    assert 0.2 < accepted < 0.8, accepted  # both the accept and the residual paths are exercised
     first, second = out.tokens[:, 0], out.tokens[:, 1]
     with torch.inference_mode():
         p1 = torch.softmax(generate_logits(model, prompt), -1)[0]                    # [V]
