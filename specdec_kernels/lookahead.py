@@ -11,8 +11,9 @@ rows each hold three parts, under one ``tree_mask``:
   column i. The argmax after the last level's tokens becomes the new last level (the levels
   shift up, the oldest is dropped), and each column with that argmax is an n-gram of N tokens;
 - the *verification branch*: up to G (N - 1)-grams from the row's pool that follow its last
-  token, each a chain after it: a token tree verified by `tree_rejection_sample` (greedily, or
-  losslessly with temperature > 0: the candidates are deterministic proposals).
+  token, merged into a token tree after it (shared prefixes once, `candidate_tree`) and
+  verified by `tree_rejection_sample` (greedily, or losslessly with temperature > 0: the
+  candidates are deterministic proposals).
 
 The accepted candidate's K/V are kept with `KVCache.compact`; the lookahead branch's are dropped.
 The pools also take the prompt's n-grams and those of the text as it is generated, so text that
@@ -156,18 +157,12 @@ class LookaheadSwitch:
         return choice
 
 
-def lookahead_masks(window: int, ngram: int, guesses: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's attention among its new tokens and the candidates' tree.
-
-    Returns:
-        ``tree_mask`` ``[T, T]`` bool, T = 1 + (window + guesses) * (ngram - 1), in input order:
-        the last token, the lookahead levels (level-major, ``window`` tokens each), then the
-        candidates (``ngram - 1`` tokens each); and ``parents`` ``[guesses * (ngram - 1)]``
-        int64, the candidate nodes' parents as `tree_rejection_sample` takes them.
-    """
-    W, L, G = window, ngram - 1, guesses
-    T = 1 + (W + G) * L
-    mask = torch.eye(T, dtype=torch.bool)
+def lookahead_mask(window: int, ngram: int) -> torch.Tensor:
+    """``[P, P]`` bool, P = 1 + window * (ngram - 1): what the last token and the lookahead
+    branch's tokens see, in input order (the last token, then the levels, level-major,
+    ``window`` tokens each). The candidates' tokens follow them (`candidate_tree`)."""
+    W, L = window, ngram - 1
+    mask = torch.eye(1 + W * L, dtype=torch.bool)
     mask[:, 0] = True
     level = lambda lv, i: 1 + lv * W + i                          # input index of a lookahead token
     for i in range(W):
@@ -175,16 +170,28 @@ def lookahead_masks(window: int, ngram: int, guesses: int) -> tuple[torch.Tensor
         for lv in range(1, L):
             mask[level(lv, i)] = mask[level(lv - 1, i)]
             mask[level(lv, i), level(lv, i)] = True
-    parents = torch.empty(G * L, dtype=torch.int64)
-    for g in range(G):
-        for m in range(L):
-            node = g * L + m
-            parents[node] = -1 if m == 0 else node - 1
-            row = 1 + W * L + node
-            if m:
-                mask[row] = mask[row - 1]
-                mask[row, row] = True
-    return mask, parents
+    return mask
+
+
+def candidate_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """The candidates (each a continuation of the last token) as one token tree, shared
+    prefixes merged: its nodes' tokens and parents (-1: a child of the last token), in
+    topological order. Siblings differ, so each candidate's path is verified whole.
+
+    Example::
+
+        candidate_tree([(6, 8), (6, 7), (5, 1)])   # ([6, 8, 7, 5, 1], [-1, 0, 0, -1, 3])
+    """
+    tokens, parents, node = [], [], {}
+    for candidate in candidates:
+        parent = -1
+        for token in candidate:
+            if (parent, token) not in node:
+                node[parent, token] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+            parent = node[parent, token]
+    return tokens, parents
 
 
 @torch.inference_mode()
@@ -217,8 +224,9 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             costs and gains (`LookaheadSwitch`), so that lookahead costs little where it does
             not pay; False: every step is a lookahead step.
 
-    A lookahead step scores T = 1 + (W + G') * (N - 1) tokens per row, G' the most candidates
-    any row has that step (0 when no row's pool knows its last token); a plain step one. The
+    A lookahead step scores T = 1 + W * (N - 1) + n tokens per row, n the most candidate tree
+    nodes any row has that step (at most G * (N - 1): candidates sharing a prefix share its
+    nodes; 0 when no row's pool knows its last token); a plain step one. The
     defaults are the best all-round setting measured on a 2-core CPU (docs/performance.md); on
     a GPU, where a wider forward costs little more, wider windows pay.
 
@@ -261,7 +269,8 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     check = _LogitsCheck(device, ("model",))
     graphs = _use_cuda_graphs(cuda_graphs, (model,), device)
     plain_step = check.checked("model", V, _decoding_forward(model, cache, "model", graphs, last_only=True))
-    full_mask, all_parents = (t.to(device) for t in lookahead_masks(W, L + 1, G))
+    branch_mask = lookahead_mask(W, L + 1).to(device)
+    P = 1 + W * L                                         # the last token and the lookahead branch
 
     # The prompts on the host, in one transfer before the loop: they seed the pools.
     texts = [row[1: 1 + row[0]] for row in torch.cat([request.prompt_lengths[:, None], request.prompt], 1).tolist()]
@@ -323,32 +332,40 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                 stats.num_steps[rows] += 1
                 stats.draft_lengths[host_rows, 0] += 1
                 continue
-            g = max(map(len, candidates))
-            num_nodes = [len(c) * L for c in candidates]
-            flat_candidates = [t for c in candidates for t in [*sum(c, ()), *[0] * ((g - len(c)) * L)]]
-            for row, n in zip(host_rows, num_nodes, strict=True):
-                stats.draft_lengths[row, n] += 1  # steps by candidate tokens verified
-            T = 1 + (W + g) * L
+            trees = [candidate_tree(c) for c in candidates]
+            num_nodes = [len(tokens) for tokens, _ in trees]
+            n = max(num_nodes)
+            for row, count in zip(host_rows, num_nodes, strict=True):
+                stats.draft_lengths[row, count] += 1  # steps by candidate tokens verified
+            T = P + n
             ids = torch.cat([token[:, None], levels.reshape(b, W * L)], 1)
-            if g:
-                ids = torch.cat([ids, _host_list_to(flat_candidates, device).view(b, g * L)], 1)
+            mask = torch.zeros(b, T, T, dtype=torch.bool, device=device)
+            mask[:, :P, :P] = branch_mask
+            if n:  # the candidate trees: tokens, parents and ancestor masks, padded to n nodes, in one copy
+                host = [t for tokens, _ in trees for t in tokens + [0] * (n - len(tokens))]
+                host += [q for _, parents in trees for q in parents + [-1] * (n - len(parents))]
+                host += [int(seen) for _, parents in trees for seen in _ancestors(parents, n)]
+                host = _host_list_to(host, device)
+                ids = torch.cat([ids, host[: b * n].view(b, n)], 1)
+                parents = host[b * n: 2 * b * n].view(b, n)
+                mask[:, P:, 0] = True
+                mask[:, P:, P:] = host[2 * b * n:].view(b, n, n) != 0
             with timer("target"):
                 start = cache.lengths.clone()
                 logits = check("model", V, _forward(model, ids, cache, max_seqlen=longest + T, min_seqlen=shortest + T,
-                                                    tree_mask=full_mask[:T, :T].expand(b, T, T).contiguous()))
+                                                    tree_mask=mask))
             stats.target_forwards += 1
             with timer("sampler"):
-                last = logits[:, 1 + (L - 1) * W: 1 + L * W].argmax(-1)          # [b, W]: after the last level
+                last = logits[:, 1 + (L - 1) * W: P].argmax(-1)                  # [b, W]: after the last level
                 grams = torch.cat([levels.transpose(1, 2), last[..., None]], 2)  # [b, W, N]: column n-grams
                 levels = torch.cat([levels[:, 1:], last[:, None]], 1)
-                if g:
+                if n:
                     nodes = _host_list_to(num_nodes, device)
                     result = tree_rejection_sample(
-                        torch.cat([logits[:, :1], logits[:, 1 + W * L:]], 1), None, ids[:, 1 + W * L:],
-                        all_parents[: g * L].expand(b, g * L), nodes, **request.sampling,
-                        generator=request.generator, validate=False)
+                        torch.cat([logits[:, :1], logits[:, P:]], 1), None, ids[:, P:], parents, nodes,
+                        **request.sampling, generator=request.generator, validate=False)
                     new, accepted = result.token_ids.clamp(min=0), result.num_accepted
-                    path = torch.where(result.path >= 0, result.path + 1 + W * L, 0)
+                    path = torch.where(result.path >= 0, result.path + P, 0)
                     cache.compact(torch.cat([torch.zeros_like(accepted)[:, None], path], 1), accepted + 1, start=start)
                     stats.num_proposed[rows] += nodes
                 else:
@@ -358,3 +375,13 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             stats.num_steps[rows] += 1
             stats.num_accepted[rows] += accepted
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
+
+
+def _ancestors(parents: list[int], n: int) -> list[bool]:
+    """Row-major ``[n, n]``: node i sees node j iff j is i or one of its ancestors (padding
+    nodes, past ``parents``, see only themselves)."""
+    seen = [[i == j for j in range(n)] for i in range(n)]
+    for i, parent in enumerate(parents):  # parents come first: their rows are complete
+        if parent >= 0:
+            seen[i] = [a or b for a, b in zip(seen[i], seen[parent], strict=True)]
+    return [x for row in seen for x in row]

@@ -9,7 +9,7 @@ import torch
 from test_sampling_distribution import chi_square_pvalue
 
 from specdec_kernels import generate, lookahead_generate
-from specdec_kernels.lookahead import NgramPool, lookahead_masks
+from specdec_kernels.lookahead import NgramPool, _ancestors, candidate_tree, lookahead_mask
 from specdec_kernels.model import tree_depths
 from specdec_kernels.testing import SyncCounter
 
@@ -164,14 +164,31 @@ def test_one_host_sync_per_step(target):
     assert len(in_loop) == int(out.stats.num_steps.max()) + 1
 
 
-def test_masks_give_each_token_its_trajectory():
-    mask, parents = lookahead_masks(window=3, ngram=3, guesses=2)
-    # Inputs: the last token, level 0 (3), level 1 (3), two candidates of 2 tokens.
-    assert mask.shape == (11, 11) and parents.tolist() == [-1, 0, -1, 2]
+def test_mask_gives_each_lookahead_token_its_trajectory():
+    mask = lookahead_mask(window=3, ngram=3)
+    # Inputs: the last token, level 0 (3 tokens), level 1 (3 tokens).
+    assert mask.shape == (7, 7)
     assert mask[5].nonzero().flatten().tolist() == [0, 1, 2, 5]        # level 1, column 1
-    assert mask[10].nonzero().flatten().tolist() == [0, 9, 10]         # candidate 1's second token
-    depths = tree_depths(mask[None], None, 11, torch.device("cpu"))[0]
-    assert depths.tolist() == [0, 1, 2, 3, 2, 3, 4, 1, 2, 1, 2]         # positions after the last token
+    depths = tree_depths(mask[None], None, 7, torch.device("cpu"))[0]
+    assert depths.tolist() == [0, 1, 2, 3, 2, 3, 4]                     # positions after the last token
+
+
+def test_candidates_sharing_a_prefix_share_its_nodes():
+    tokens, parents = candidate_tree([(6, 8), (6, 7), (5, 1), (6, 8)])
+    assert tokens == [6, 8, 7, 5, 1] and parents == [-1, 0, 0, -1, 3]
+    assert _ancestors([-1, 0, 0], 4) == [True, False, False, False, True, True, False, False,
+                                         True, False, True, False, False, False, False, True]
+
+
+def test_a_shared_first_token_verifies_every_continuation(target):
+    """The pool lists two continuations of the last token with one first token, the wrong one
+    newest: merged into a tree, both are verified and the right one is kept whole (as separate
+    chains, greedy verification would follow the first and keep one token)."""
+    model = Successor(target, bonus=100.0)  # greedy: each token's successor
+    prompt = torch.tensor([[10, 11, 12, 30, 10, 11, 50, 31, 9]])  # 10 -> (11, 50) newest, then (11, 12)
+    out = lookahead_generate(model, prompt, window=1, ngram=3, guesses=4, max_new_tokens=4, adaptive=False)
+    assert out.tokens[0].tolist() == [10, 11, 12, 13]
+    assert out.stats.num_steps.tolist() == [1] and out.stats.num_accepted.tolist() == [2]
 
 
 def test_pool_bounds():
