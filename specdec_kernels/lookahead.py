@@ -108,10 +108,10 @@ class LookaheadSwitch:
     tokens a row with candidates gained beyond the one every step gives (forgotten by `DECAY`).
     A lookahead step is taken while ``(1 + gain * share) / seconds`` beats a plain step's
     ``1 / seconds``, ``share`` the running rows with candidates this step. Each kind is timed
-    before the first choice (the first step of each kind, one-time costs, is not counted); a
-    lookahead step probes again after plain steps whose cost the probe's extra time would add to
-    by at most a twentieth. ``adaptive=False``: always lookahead. Host arithmetic on the numbers
-    the loop's transfer brings: no synchronization.
+    before the first choice (lookahead steps once a row has candidates; the first step of each
+    kind, one-time costs, is not counted); a lookahead step probes again after plain steps whose
+    cost the probe's extra time would add to by at most a twentieth. ``adaptive=False``: always
+    lookahead. Host arithmetic on the numbers the loop's transfer brings: no synchronization.
     """
 
     def __init__(self, adaptive: bool) -> None:
@@ -146,7 +146,9 @@ class LookaheadSwitch:
         if not self.adaptive:
             choice = True
         elif self.seconds[True][1] == 0 or self.seconds[False][1] == 0:
-            choice = self.seconds[True][1] == 0  # time each kind (after its first step) first
+            # Time each kind (after its first step) first; a lookahead step only where a row has
+            # candidates (without any it cannot gain this step).
+            choice = self.seconds[True][1] == 0 and share > 0
         else:
             lookahead_s, plain_s = (t / n for t, n in (self.seconds[True], self.seconds[False]))
             gain = self.gain[0] / self.gain[1] if self.gain[1] else 1.0  # before any measure: hopeful
