@@ -260,6 +260,20 @@ def _weights_name(random_weights: str | None) -> str:
     return "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
 
 
+def _interleaved_medians(setup: Setup, methods: dict, batch_size: int, max_new_tokens: int, repeats: int) -> dict:
+    """``methods`` maps a name to ``(fn, *args)``, run as ``fn(setup, batch_size, tokens, *args)``:
+    each once untimed (4 tokens: one-time costs out of the way), then ``repeats`` rounds of every
+    method in turn (a slow spell of the machine falls on all alike); the median run of each,
+    ``{name: (seconds, output)}``."""
+    for fn, *args in methods.values():
+        fn(setup, batch_size, 4, *args)
+    runs = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, (fn, *args) in methods.items():
+            runs[name].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
+    return {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}
+
+
 def _timed(setup: Setup, fn, *args) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(setup, *args)
@@ -288,19 +302,13 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
     lines = []
     for B in batch_sizes:
         oracle = make_drafter(setup, "oracle", B, max_new_tokens, 4)
-        methods = {"plain": (None, 4, True)}
+        methods = {"plain": (run_ours, None, 4, True)}
         for draft in ("prompt_lookup", "layers"):
             for k in ks:
-                methods[draft, k, "fixed"] = (draft, k, False)
-                methods[draft, k, "adaptive"] = (draft, k, True)
-        methods["oracle"] = (oracle, 4, False)
-        for draft, k, adaptive in methods.values():  # warm-up
-            run_ours(setup, B, 4, draft, k, adaptive)
-        runs = {name: [] for name in methods}
-        for _ in range(repeats):
-            for name, (draft, k, adaptive) in methods.items():
-                runs[name].append(_timed(setup, run_ours, B, max_new_tokens, draft, k, adaptive))
-        median = {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}
+                methods[draft, k, "fixed"] = (run_ours, draft, k, False)
+                methods[draft, k, "adaptive"] = (run_ours, draft, k, True)
+        methods["oracle"] = (run_ours, oracle, 4, False)
+        median = _interleaved_medians(setup, methods, B, max_new_tokens, repeats)
         plain_s, plain = median["plain"]
         for draft in ("prompt_lookup", "layers"):
             best_fixed = max(plain_s / median[draft, k, "fixed"][0] for k in ks)
@@ -342,17 +350,11 @@ def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), br
     setup = load_setup(pack, device, dtype, random_weights)
     lines = []
     for B in batch_sizes:
-        methods = {"plain": (None, 4)}
+        methods = {"plain": (run_ours, None, 4, False)}
         for width in widths:
             for b in (1, *branches):
-                methods[width, b] = (PromptLookupDraft(branches=b), width - 1)
-        for draft, k in methods.values():  # warm-up
-            run_ours(setup, B, 4, draft, k, False)
-        runs = {name: [] for name in methods}
-        for _ in range(repeats):
-            for name, (draft, k) in methods.items():
-                runs[name].append(_timed(setup, run_ours, B, max_new_tokens, draft, k, False))
-        median = {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}
+                methods[width, b] = (run_ours, PromptLookupDraft(branches=b), width - 1, False)
+        median = _interleaved_medians(setup, methods, B, max_new_tokens, repeats)
         plain_s = median["plain"][0]
         for width in widths:
             chain_s, chain = median[width, 1]
@@ -390,13 +392,7 @@ def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), r
     setup = load_setup(pack, device, dtype, random_weights)
     lines = []
     for B in batch_sizes:
-        for w in (0, *windows):  # warm-up
-            run_jacobi(setup, B, 4, w)
-        runs = {w: [] for w in (0, *windows)}
-        for _ in range(repeats):
-            for w in runs:
-                runs[w].append(_timed(setup, run_jacobi, B, max_new_tokens, w))
-        median = {w: sorted(r, key=lambda x: x[0])[len(r) // 2] for w, r in runs.items()}
+        median = _interleaved_medians(setup, {w: (run_jacobi, w) for w in (0, *windows)}, B, max_new_tokens, repeats)
         plain_s, plain = median[0]
         for w in windows:
             seconds, out = median[w]
@@ -440,13 +436,8 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
     for B in batch_sizes:
         for name, prompts in (("copy-heavy", PROMPTS), ("open", OPEN_PROMPTS)):
             methods = [None, *((*c, a) for c in configs for a in (False, True))]
-            for m in methods:  # warm-up
-                run_lookahead(setup, B, 4, m, prompts)
-            runs = {m: [] for m in methods}
-            for _ in range(repeats):
-                for m in methods:
-                    runs[m].append(_timed(setup, run_lookahead, B, max_new_tokens, m, prompts))
-            median = {m: sorted(r, key=lambda x: x[0])[len(r) // 2] for m, r in runs.items()}
+            median = _interleaved_medians(setup, {m: (run_lookahead, m, prompts) for m in methods}, B,
+                                          max_new_tokens, repeats)
             plain_s, plain = median[None]
             for m in methods[1:]:
                 seconds, out = median[m]

@@ -398,6 +398,15 @@ def _rows_still_running(done: torch.Tensor, check: _LogitsCheck, *values: torch.
     return [i for i, d in enumerate(flat[:B]) if not d], read
 
 
+def _keep_running(running: list[int], rows: torch.Tensor, host_rows: list[int], cache, *state: torch.Tensor
+                  ) -> tuple:
+    """The loop's batch positions still ``running`` (host ints, ascending): ``(keep, rows,
+    host_rows, cache, *state)`` with each selected (``keep``: the positions as a tensor on the
+    rows' device, for whatever else the caller selects)."""
+    keep = _host_list_to(running, rows.device)
+    return keep, rows[keep], [host_rows[i] for i in running], cache.select(keep), *(t[keep] for t in state)
+
+
 def _running_range(values: torch.Tensor, done: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """0-d max and min of the non-negative ``values`` [B] over the rows still running (cache
     lengths, draft counts: bounds for their next forward; meaningless when no row runs)."""
@@ -471,9 +480,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             if not running:
                 break
             if len(running) < len(rows):
-                keep = _host_list_to(running, device)
-                rows, token, cache = rows[keep], token[keep], cache.select(keep)
-                host_rows = [host_rows[i] for i in running]
+                _, rows, host_rows, cache, token = _keep_running(running, rows, host_rows, cache, token)
             stats.num_steps[rows] += 1
             with timer("target"):
                 logits = step(token[:, None], cache, max_seqlen=longest + 1, min_seqlen=shortest + 1)
@@ -587,9 +594,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 break
             drafted, generated = (dict(zip(host_rows, values, strict=True)) for values in (drafted, generated))
             if len(running) < len(rows):
-                keep = _host_list_to(running, device)
-                rows, token, drafts = rows[keep], token[keep], _select_rows(drafts, keep)
-                cache, host_rows = cache.select(keep), [host_rows[i] for i in running]
+                keep, rows, host_rows, cache, token = _keep_running(running, rows, host_rows, cache, token)
+                drafts = _select_rows(drafts, keep)
                 drafter.select(keep)
             b = len(rows)
             lengths.verifying(host_rows, drafted, b + total)

@@ -25,7 +25,7 @@ from ._model_calls import _decoding_forward, _last_logits, _LogitsCheck, _new_ca
 from .generation import (
     GenerationOutput,
     _finish,
-    _host_list_to,
+    _keep_running,
     _new_stats,
     _Outputs,
     _PhaseTimer,
@@ -96,9 +96,8 @@ def jacobi_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
             if not running:
                 break
             if len(running) < len(rows):
-                keep = _host_list_to(running, device)
-                rows, token, guesses, cache = rows[keep], token[keep], guesses[keep], cache.select(keep)
-                host_rows = [host_rows[i] for i in running]
+                _, rows, host_rows, cache, token, guesses = _keep_running(running, rows, host_rows, cache, token,
+                                                                          guesses)
             with timer("target"):
                 start = cache.lengths.clone()
                 logits = forward(torch.cat([token[:, None], guesses], 1), cache, max_seqlen=longest + W + 1,

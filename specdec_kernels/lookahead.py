@@ -51,6 +51,7 @@ from .generation import (
     GenerationOutput,
     _finish,
     _host_list_to,
+    _keep_running,
     _new_stats,
     _Outputs,
     _PhaseTimer,
@@ -245,6 +246,8 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                                ("pool_size", pool_size, 1)):
         if not is_int(value) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    if not isinstance(adaptive, bool):
+        raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
     t_start = time.perf_counter()
     model = as_protocol_model(model)
     if not _accepts(model, "tree_mask"):
@@ -319,9 +322,8 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             if not running:
                 break
             if len(running) < len(rows):
-                keep = _host_list_to(running, device)
-                rows, token, levels, cache = rows[keep], token[keep], levels[keep], cache.select(keep)
-                host_rows = [host_rows[i] for i in running]
+                _, rows, host_rows, cache, token, levels = _keep_running(running, rows, host_rows, cache, token,
+                                                                         levels)
             b = len(running)
             if not switch.choose([bool(c) for c in candidates]):
                 with timer("target"):

@@ -207,3 +207,9 @@ def test_bad_options_are_refused(target, name, value):
     ids, mask = ragged_prompts(B=2)
     with pytest.raises(ValueError, match=name):
         lookahead_generate(target, ids, mask, max_new_tokens=4, **{name: value})
+
+
+def test_a_non_bool_adaptive_is_refused(target):
+    ids, mask = ragged_prompts(B=2)
+    with pytest.raises(TypeError, match="adaptive must be True or False"):
+        lookahead_generate(target, ids, mask, max_new_tokens=4, adaptive="yes")
