@@ -56,7 +56,7 @@ def _forward(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = N
 def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None = None, *,
                  max_seqlen: int | None = None, min_seqlen: int | None = None, return_hidden: bool = False):
     """[B, V] logits at each row's last real input position (``q_seqlens`` None: position T-1);
-    with ``return_hidden``, also the model's hidden states there, [B, 1, H]."""
+    with ``return_hidden``, also the model's hidden states at every input position, [B, T, H]."""
     kwargs = dict(max_seqlen=max_seqlen, min_seqlen=min_seqlen, **_hidden_keyword(model, return_hidden))
     last_only = _accepts(model, "last_only")
     if last_only:
@@ -64,10 +64,9 @@ def _last_logits(model, input_ids, cache, q_seqlens=None, num_tokens: int | None
     out = _forward(model, input_ids, cache, q_seqlens, num_tokens, **kwargs)
     logits, hidden = out if return_hidden else (out, None)
     if last_only or q_seqlens is None:
-        logits, hidden = logits[:, -1], None if hidden is None else hidden[:, -1:]
+        logits = logits[:, -1]
     else:
-        last = lambda t: t.gather(1, (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, t.shape[-1]))
-        logits, hidden = last(logits)[:, 0], None if hidden is None else last(hidden)
+        logits = logits.gather(1, (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))[:, 0]
     return (logits, hidden) if return_hidden else logits
 
 

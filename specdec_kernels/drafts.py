@@ -80,8 +80,9 @@ class Drafter(Protocol):
     A drafter that reads the target's features (EAGLE-style heads) sets the class attribute
     ``needs_target_hidden = True``; its `commit` then also receives ``hidden_states=`` [B, N, H]:
     the target's last-layer hidden state (before the final norm) at the position that produced
-    each committed token (the prefill's last position for the first token). Nothing is
-    computed for drafters that do not ask.
+    each committed token (the prefill's last position for the first token), and its `prefill`
+    ``hidden_states=`` [B, P, H], those of every prompt position (right-padded as the prompts).
+    Nothing is computed for drafters that do not ask.
 
     A drafter that runs the target's own first layers (`EarlyExitDraft`) sets
     ``needs_target_cache = True``; its `prefill` then also receives ``target_cache=``, the

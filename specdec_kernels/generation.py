@@ -565,6 +565,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     stats.target_forwards += 1
     with timer("draft prefill"):
         shared = {"target_cache": cache} if getattr(drafter, "needs_target_cache", False) is True else {}
+        if hidden:  # the prompt's features; the first commit carries the last prompt position's
+            shared["hidden_states"] = states
+            states = states.gather(1, (request.prompt_lengths - 1).view(-1, 1, 1).expand(-1, 1, states.shape[-1]))
         drafter.prefill(request.prompt, request.prompt_lengths, request.max_len, **shared)
     with timer("sampler"):
         token = request.sample(logits)

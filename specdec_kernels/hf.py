@@ -191,7 +191,8 @@ class HFCausalLM(nn.Module):
         ``cache.lengths[b] ..``; the cache advances by ``q_seqlens``; logits [B, T, V] (or [B, 1, V]
         with ``last_only``, each row's last real token) in the model's dtype. ``return_hidden``:
         also the last layer's hidden states before the final norm (the norm's input: what
-        EAGLE-style draft heads read, `specdec_kernels.Drafter`), [B, T, H] or [B, 1, H].
+        EAGLE-style draft heads read, `specdec_kernels.Drafter`) at every position, [B, T, H],
+        ``last_only`` or not.
         ``tree_mask``: [B, T, T] bool, the new tokens form a tree (`Llama.forward`): each sits
         at the row's length plus its depth; sliding-window layers raise a ValueError once their
         window hides keys of the positions the pass reads.
@@ -226,12 +227,7 @@ class HFCausalLM(nn.Module):
         cache.advance(T if q_seqlens is None else q_seqlens)
         if not return_hidden:
             return out.logits
-        states = hidden[0]
-        if ragged_last:
-            states = states.gather(1, (q_seqlens - 1).view(B, 1, 1).expand(B, 1, states.shape[-1]))
-        elif last_only:
-            states = states[:, -1:]
-        return out.logits, states
+        return out.logits, hidden[0]
 
     def pack_weights(self, enable: bool = True, *, plan: MatmulPlan | None = None) -> HFCausalLM:
         """Compute the model's ``nn.Linear`` layers (projections and LM head) in the matmul forms

@@ -233,8 +233,8 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
                 last_only: bool = False, num_tokens: int | None = None, max_seqlen: int | None = None,
-                min_seqlen: int | None = None, return_hidden: bool = False, tree_mask: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                min_seqlen: int | None = None, return_hidden: bool = False, tree_mask: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
 
         Args:
@@ -256,8 +256,9 @@ class Llama(nn.Module):
                 knows one on the host (checked on the device likewise). The CPU attention path
                 then multiplies V's positions below it in place (see `RaggedAttentionPlan`);
                 when it equals the positions read (one row, ``max_seqlen`` exact), all of them.
-            return_hidden: also return the last layer's hidden states, before the final norm
-                (what EAGLE-style draft heads read; see `specdec_kernels.Drafter`).
+            return_hidden: also return the last layer's hidden states, before the final norm, at
+                every position, ``last_only`` or not (what EAGLE-style draft heads read, the
+                prompt's included; see `specdec_kernels.Drafter`).
             tree_mask: [B, T, T] bool, or None (a chain): the new tokens form a tree, each
                 attending to the cache and to the new tokens its row of the mask gives (its
                 ancestors and itself; `ragged_attention`). A token's position (for the rotary
@@ -265,19 +266,22 @@ class Llama(nn.Module):
                 tokens it sees, minus one. With a sliding window, a ValueError once the window
                 hides keys of the positions the pass reads (a tree token's distance to them is
                 its depth, which the mask does not give).
+            inputs_embeds: [B, T, H] in the model's dtype: the first layer's input instead of the
+                token embeddings of ``input_ids`` (which then give only the shape); a draft head
+                (`FeatureHeadDraft`) feeds its own mix of features and embeddings.
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
-            meaningless values. With ``return_hidden``: (logits, hidden states [B, T, H] or
-            [B, 1, H]).
+            meaningless values. With ``return_hidden``: (logits, hidden states [B, T, H]).
         """
         with self.weights_lock.shared():
             return self._forward(input_ids, cache, q_seqlens, last_only, num_tokens, max_seqlen, min_seqlen,
-                                 return_hidden, tree_mask)
+                                 return_hidden, tree_mask, inputs_embeds)
 
     def _forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None, last_only: bool,
                  num_tokens: int | None, max_seqlen: int | None, min_seqlen: int | None, return_hidden: bool,
-                 tree_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 tree_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -293,10 +297,17 @@ class Llama(nn.Module):
                                         sliding_window=self.config.sliding_window, tree_mask=tree_mask)
         packed = self._real_tokens(q_seqlens, num_tokens, B, T)
         step = _Step(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), append, attention, packed)
-        x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])
+        if inputs_embeds is None:
+            x = self.tok_embeddings(input_ids if packed is None else input_ids.flatten()[packed])
+        else:
+            if inputs_embeds.shape != (B, T, self.config.hidden_size):
+                raise ValueError(f"inputs_embeds must be [B, T, H] = {[B, T, self.config.hidden_size]}, got "
+                                 f"{list(inputs_embeds.shape)}")
+            x = step.pack(inputs_embeds)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i, step)
         cache.advance(T if q_seqlens is None else q_seqlens)
+        hidden = step.unpack(x) if return_hidden else None
         if last_only:  # each row's last real token
             if q_seqlens is None:
                 x = x[:, -1:]
@@ -305,9 +316,9 @@ class Llama(nn.Module):
             else:
                 x = x.gather(1, (q_seqlens - 1).view(B, 1, 1).expand(B, 1, x.shape[-1]))
             logits = self.output(self.norm(x)).contiguous()
-            return (logits, x) if return_hidden else logits
+            return (logits, hidden) if return_hidden else logits
         logits = step.unpack(self.output(self.norm(x))).contiguous()  # [B, T, V] rows, vocab contiguous
-        return (logits, step.unpack(x)) if return_hidden else logits
+        return (logits, hidden) if return_hidden else logits
 
     @staticmethod
     def _real_tokens(q_seqlens: torch.Tensor | None, num_tokens: int | None, B: int, T: int) -> torch.Tensor | None:

@@ -423,9 +423,9 @@ class HiddenReader(RepeatLastToken):
 
     needs_target_hidden = True
 
-    def prefill(self, input_ids, q_seqlens, max_len):
+    def prefill(self, input_ids, q_seqlens, max_len, hidden_states=None):
         super().prefill(input_ids, q_seqlens, max_len)
-        self.seen = []
+        self.prompt_states, self.seen = hidden_states, []
 
     def commit(self, token_ids, num_tokens, hidden_states=None):
         super().commit(token_ids, num_tokens)
@@ -441,6 +441,8 @@ def test_a_drafter_asking_for_hidden_states_gets_those_that_produced_each_token(
     sequence = torch.cat([ids[0], out.tokens[0]])[None]
     with torch.no_grad():
         _, every = target(sequence, target.new_cache(1, sequence.shape[1]), return_hidden=True)
+    assert drafter.prompt_states.shape == (1, len(prompt), target.config.hidden_size)
+    torch.testing.assert_close(drafter.prompt_states[0], every[0, :len(prompt)], atol=1e-4, rtol=1e-4)
     position = len(prompt) - 1  # the position whose hidden state produced the next committed token
     for token_ids, num, states in drafter.seen:
         n = int(num[0])

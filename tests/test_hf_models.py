@@ -317,10 +317,10 @@ def test_pack_weights_changes_nothing_when_a_weight_cannot_be_packed():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox", "gpt2", "phi3"])
 def test_hidden_states_are_the_final_norms_input(family):
-    """``return_hidden``: the last layer's hidden states before the final norm, [B, T, H] or each
-    row's last real one with ``last_only`` (ragged rows too): the model's own norm and head on them
-    give its logits, and a drafter asking for them (``needs_target_hidden``) gets those that
-    produced each committed token, as from the built-in model."""
+    """``return_hidden``: the last layer's hidden states before the final norm at every position,
+    [B, T, H], also with ``last_only`` (ragged rows too): the model's own norm and head on them give
+    its logits, and a drafter asking for them (``needs_target_hidden``) gets the prompt's and those
+    that produced each committed token, as from the built-in model."""
     from test_drafters import HiddenReader
 
     hf = tiny_hf(family, scale=3.0)
@@ -336,10 +336,11 @@ def test_hidden_states_are_the_final_norms_input(family):
         assert states.shape == (4, 9, hf.config.hidden_size)
         assert_close(head(norm(states)), logits)
         last_logits, last_states = model(right, model.new_cache(4, 20), lengths, last_only=True, return_hidden=True)
-        assert last_states.shape == (4, 1, hf.config.hidden_size)
+        assert last_states.shape == (4, 9, hf.config.hidden_size)
         for b in range(4):
-            assert_close(last_states[b, 0], states[b, int(lengths[b]) - 1])
-            assert_close(last_logits[b, 0], logits[b, int(lengths[b]) - 1])
+            n = int(lengths[b])
+            assert_close(last_states[b, :n], states[b, :n])
+            assert_close(last_logits[b, 0], logits[b, n - 1])
     ids = input_ids[:1]
     drafter = HiddenReader()
     out = speculative_generate(hf, drafter, ids, max_new_tokens=10, temperature=0, num_draft_tokens=3, adaptive=False)
@@ -347,6 +348,7 @@ def test_hidden_states_are_the_final_norms_input(family):
     sequence = torch.cat([ids[0], out.tokens[0]])[None]
     with torch.no_grad():
         _, every = model(sequence, model.new_cache(1, sequence.shape[1]), return_hidden=True)
+    torch.testing.assert_close(drafter.prompt_states[0], every[0, :ids.shape[1]], atol=1e-3, rtol=1e-3)
     position = ids.shape[1] - 1
     for _, num, seen in drafter.seen:
         n = int(num[0])

@@ -1,0 +1,333 @@
+"""Training a `FeatureHead` on distillation shards (`specdec_kernels.draft_data`), in resumable pieces.
+
+The head at pair position t reads ``(target feature h_t, token x_{t+1})`` and is trained to give
+the target's distribution at position t + 1 (its top logits in the shard: distillation) and the
+target's feature there (``h_{t+1}``, compared after the target's final norm, which keeps the
+feature's outlier dimensions from ruling the loss). Losses count only positions whose next token
+the head would draft at run time: inside the answer.
+
+Training-time test (EAGLE-3, HASS): at run time the 2nd .. K-th draft token reads the head's own
+predicted features. Step k of an unrolled pass feeds the previous step's outputs one position
+on, and its query at t attends to the true pairs up to t - k + 1 and to the predicted entries of
+steps 2 .. k at positions t - k + 2 .. t, exactly the keys its cache holds when drafting.
+
+Everything is deterministic for a seed: the batch order of epoch e depends on (seed, e) only, so
+a run resumed from a checkpoint (`train_head` writes one every ``checkpoint_every`` steps and at
+the end of each piece) continues as if never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .draft_data import Shard
+from .draft_heads import FeatureHead
+from .model import Llama
+
+
+@dataclass
+class TrainSettings:
+    """How `train_head` trains (saved with each checkpoint; a resumed run must use the same).
+
+    Attributes:
+        steps: optimizer steps in all (across pieces).
+        tokens_per_batch: padded pair positions per batch (sequences of similar lengths together).
+        lr: peak AdamW learning rate, after ``warmup`` steps, then cosine down to ``lr / 10``.
+        unroll: training-time test steps (1: the head reads true features only).
+        step_decay: weight of unrolled step k is ``step_decay ** (k - 1)``.
+        feature_weight: weight of the feature loss against the distillation loss.
+        draft_vocab_size: ids in the draft vocabulary (the most frequent answer tokens).
+        seed: seeds the head's initial weights and the batch order.
+        checkpoint_every: steps between checkpoints.
+    """
+
+    steps: int = 4000
+    tokens_per_batch: int = 4096
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    unroll: int = 3
+    step_decay: float = 0.8
+    feature_weight: float = 0.5
+    draft_vocab_size: int = 8192
+    seed: int = 0
+    checkpoint_every: int = 100
+
+
+@dataclass
+class _Sequence:
+    features: torch.Tensor    # [L, H] float16
+    token_ids: torch.Tensor   # [L] int64
+    top_ids: torch.Tensor     # [L, k] int64
+    top_logits: torch.Tensor  # [L, k] float32
+    prompt_length: int
+
+
+def load_sequences(paths: list[Path]) -> list[_Sequence]:
+    """Every sequence of the shards at ``paths``, in order."""
+    sequences = []
+    for path in paths:
+        shard = Shard.load(path)
+        starts = [0, *shard.lengths.cumsum(0).tolist()]
+        for i, p in enumerate(shard.prompt_lengths.tolist()):
+            a, b = starts[i], starts[i + 1]
+            sequences.append(_Sequence(shard.hidden[a:b], shard.token_ids[a:b], shard.top_ids[a:b],
+                                       shard.top_logits[a:b], p))
+    return sequences
+
+
+def draft_vocabulary(sequences: list[_Sequence], size: int, vocab_size: int) -> torch.Tensor:
+    """[size] int64: the ids the target produces most often in the answers (its argmax at each
+    answer position and the answer tokens), most frequent first."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in sequences:
+        counts += torch.bincount(s.token_ids[s.prompt_length:], minlength=vocab_size)
+        counts += torch.bincount(s.top_ids[s.prompt_length - 1:, 0], minlength=vocab_size)
+    size = min(size, vocab_size)
+    return counts.argsort(descending=True, stable=True)[:size].clone()
+
+
+def _batches(sequences: list[_Sequence], tokens_per_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """Epoch ``epoch``'s batches: sequences sorted by length, cut so each batch pads to at most
+    ``tokens_per_batch`` positions, in an order fixed by (seed, epoch)."""
+    order = sorted(range(len(sequences)), key=lambda i: (len(sequences[i].token_ids), i))
+    batches, current = [], []
+    for i in order:
+        width = len(sequences[i].token_ids) - 1
+        if current and width * (len(current) + 1) > tokens_per_batch:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    random.Random(seed * 1_000_003 + epoch).shuffle(batches)
+    return batches
+
+
+@dataclass
+class _Batch:
+    features: torch.Tensor   # [B, T, H] float32: h_t for t < L - 1
+    ids: torch.Tensor        # [B, T] int64: x_{t+1}
+    next_features: torch.Tensor  # [B, T, H]: h_{t+1}
+    top_ids: torch.Tensor    # [B, T, k]: draft-vocabulary index of the target's top ids at t + 1, or -1
+    top_probs: torch.Tensor  # [B, T, k]: their probabilities (softmax over the top k)
+    target_argmax: torch.Tensor  # [B, T]: the target's argmax at t + 1 (a target-vocabulary id)
+    first: torch.Tensor      # [B] int64: the first position whose next token is drafted (prompt length - 1)
+    lengths: torch.Tensor    # [B] int64: positions per row (L - 1)
+
+
+def _collate(sequences: list[_Sequence], index: list[int], vocab_index: torch.Tensor) -> _Batch:
+    rows = [sequences[i] for i in index]
+    T = max(len(s.token_ids) for s in rows) - 1
+    B, H, k = len(rows), rows[0].features.shape[1], rows[0].top_ids.shape[1]
+    features, next_features = torch.zeros(B, T, H), torch.zeros(B, T, H)
+    ids, top_ids = torch.zeros(B, T, dtype=torch.int64), torch.full((B, T, k), -1, dtype=torch.int64)
+    top_probs, argmax = torch.zeros(B, T, k), torch.zeros(B, T, dtype=torch.int64)
+    for b, s in enumerate(rows):
+        n = len(s.token_ids) - 1
+        features[b, :n], next_features[b, :n] = s.features[:n].float(), s.features[1:].float()
+        ids[b, :n] = s.token_ids[1:]
+        top_ids[b, :n] = vocab_index[s.top_ids[1:]]
+        top_probs[b, :n] = s.top_logits[1:].softmax(-1)
+        argmax[b, :n] = s.top_ids[1:, 0]
+    first = torch.tensor([s.prompt_length - 1 for s in rows])
+    lengths = torch.tensor([len(s.token_ids) - 1 for s in rows])
+    return _Batch(features, ids, next_features, top_ids, top_probs, argmax, first, lengths)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, T, heads, D] (half-split, as `Llama`), ``sin`` carrying the sign."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
+class _Trainer:
+    """The unrolled training forward of a head against a frozen target (dense, differentiable)."""
+
+    def __init__(self, target: Llama, head: FeatureHead) -> None:
+        self.target, self.head = target, head
+        config = target.config
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                    config.head_dim)
+        self.out_weight = target.output.weight.detach().index_select(0, head.draft_vocab).float()
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.target.norm
+        return F.rms_norm(x, n.weight.shape, n.weight.detach().float(), n.eps)
+
+    def forward(self, batch: _Batch, unroll: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(draft-vocabulary logits [B, T, Vd], output features [B, T, H]) of unrolled steps 1 .. unroll."""
+        layer, (B, T) = self.head.layer, batch.ids.shape
+        Hq, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.target.rope_angles(torch.arange(T)[None])  # [1, T, 1, D/2]
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+        embeddings = self.target.tok_embeddings(batch.ids).detach().float()
+        scale = 1 / math.sqrt(D)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        keys, values, outputs, features = [], [], [], batch.features
+        for k in range(1, unroll + 1):
+            x = self.head.input_vectors(features, embeddings)
+            qkv = layer.attention.wqkv(layer.attention_norm(x)).view(B, T, Hq + 2 * Hkv, D)
+            q, key = _rope(qkv[:, :, :Hq], cos, sin), _rope(qkv[:, :, Hq:Hq + Hkv], cos, sin)
+            value = qkv[:, :, Hq + Hkv:]
+            expand = lambda t: t.repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)  # [B, Hq, T, D]
+            keys.append(expand(key))
+            values.append(expand(value))
+            q = q.transpose(1, 2)
+            # True pairs up to t - k + 1; the entry of step s (2 .. k) at position t - (k - s).
+            scores = (q @ keys[0].transpose(-1, -2)) * scale
+            scores = scores.masked_fill(~causal.tril(-(k - 1)), float("-inf"))
+            extra = [(q * _shift(keys[s - 1], k - s)).sum(-1, keepdim=True) * scale for s in range(2, k + 1)]
+            weights = torch.cat([scores, *extra], -1).softmax(-1)  # every query sees itself: no empty row
+            out = weights[..., :T] @ values[0]
+            for s in range(2, k + 1):
+                out = out + weights[..., T + s - 2:T + s - 1] * _shift(values[s - 1], k - s)
+            h = x + layer.attention.wo(out.transpose(1, 2).reshape(B, T, Hq * D))
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+            outputs.append((self.norm(h) @ self.out_weight.T, h))
+            features = _shift(h, 1)  # step k + 1 at t reads step k's output at t - 1
+        return outputs
+
+    def losses(self, batch: _Batch, settings: TrainSettings) -> tuple[torch.Tensor, dict]:
+        """The weighted loss and, per unrolled step, the top-1 agreement with the target's argmax."""
+        T = batch.ids.shape[1]
+        position = torch.arange(T)[None]
+        total, stats = 0.0, {}
+        target_features = self.norm(batch.next_features)
+        vocab = self.head.draft_vocab
+        for k, (logits, h) in enumerate(self.forward(batch, settings.unroll), start=1):
+            mask = (position >= batch.first[:, None] + (k - 1)) & (position < batch.lengths[:, None])
+            count = mask.sum().clamp(min=1)
+            logq = logits.log_softmax(-1)
+            in_vocab = batch.top_ids >= 0
+            picked = logq.gather(-1, batch.top_ids.clamp(min=0)) * in_vocab
+            distill = -(batch.top_probs * picked).sum(-1)
+            feature = F.smooth_l1_loss(self.norm(h), target_features, reduction="none").mean(-1)
+            loss = ((distill + settings.feature_weight * feature) * mask).sum() / count
+            total = total + settings.step_decay ** (k - 1) * loss
+            agree = (vocab[logits.argmax(-1)] == batch.target_argmax) & mask
+            stats[f"top1_step{k}"] = (agree.sum() / count).item()
+            stats[f"positions_step{k}"] = int(count)
+        return total, stats
+
+
+def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
+    """``x`` moved ``by`` positions later along dim -2 ([..., T, C]), zeros first."""
+    if by == 0:
+        return x
+    return torch.cat([x.new_zeros(*x.shape[:-2], by, x.shape[-1]), x[..., :-by, :]], -2)
+
+
+def _schedule(step: int, settings: TrainSettings) -> float:
+    if step < settings.warmup:
+        return (step + 1) / settings.warmup
+    progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def new_head(target: Llama, vocabulary: torch.Tensor, seed: int) -> FeatureHead:
+    """A freshly initialised head in float32 (weights seeded by ``seed``)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = FeatureHead(target.config, vocabulary)
+        for p in head.parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+    return head
+
+
+@torch.no_grad()
+def evaluate(target: Llama, head: FeatureHead, sequences: list[_Sequence], unroll: int = 3,
+             tokens_per_batch: int = 4096) -> dict:
+    """Top-1 agreement with the target's argmax per draft position (1 .. unroll) over ``sequences``."""
+    trainer = _Trainer(target, head)
+    index = torch.full((target.vocab_size,), -1, dtype=torch.int64)
+    index[head.draft_vocab] = torch.arange(len(head.draft_vocab))
+    settings = TrainSettings(unroll=unroll)
+    agree, count = [0.0] * unroll, [0] * unroll
+    for batch_index in _batches(sequences, tokens_per_batch, 0, 0):
+        _, stats = trainer.losses(_collate(sequences, batch_index, index), settings)
+        for k in range(unroll):
+            n = stats[f"positions_step{k + 1}"]
+            agree[k] += stats[f"top1_step{k + 1}"] * n
+            count[k] += n
+    return {f"top1_step{k + 1}": agree[k] / max(1, count[k]) for k in range(unroll)}
+
+
+def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathLike, settings: TrainSettings,
+               *, max_seconds: float | None = None, log: Callable[[str], None] = print) -> FeatureHead:
+    """Train a `FeatureHead` for ``target`` on ``sequences``, resuming from ``folder``'s checkpoint.
+
+    Writes ``folder/checkpoint.pt`` every ``settings.checkpoint_every`` steps and when
+    ``max_seconds`` has passed (the piece then returns; run again to go on) or training ends.
+
+    Returns:
+        The head as trained so far (float32, eval mode).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = folder / "checkpoint.pt"
+    for p in target.parameters():
+        p.requires_grad_(False)
+    if checkpoint_path.exists():
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        if state["settings"] != asdict(settings):
+            raise ValueError(f"{checkpoint_path} was written with other settings {state['settings']}; pass the "
+                             "same settings to resume, or another folder to start again")
+        head = FeatureHead(target.config, state["head"]["draft_vocab"])
+        head.load_state_dict(state["head"])
+        step = state["step"]
+    else:
+        head, step, state = new_head(target, draft_vocabulary(sequences, settings.draft_vocab_size,
+                                                              target.vocab_size), settings.seed), 0, None
+    head.train()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    trainer = _Trainer(target, head)
+    index = torch.full((target.vocab_size,), -1, dtype=torch.int64)
+    index[head.draft_vocab] = torch.arange(len(head.draft_vocab))
+
+    def save() -> None:
+        tmp = checkpoint_path.with_suffix(".tmp")
+        torch.save({"settings": asdict(settings), "step": step, "head": head.state_dict(),
+                    "optimizer": optimizer.state_dict()}, tmp)
+        os.replace(tmp, checkpoint_path)
+
+    epoch_batches: dict[int, list[list[int]]] = {}
+    per_epoch = len(_batches(sequences, settings.tokens_per_batch, settings.seed, 0))
+    t_start, start_step = time.perf_counter(), step
+    while step < settings.steps:
+        epoch, position = divmod(step, per_epoch)
+        if epoch not in epoch_batches:
+            epoch_batches = {epoch: _batches(sequences, settings.tokens_per_batch, settings.seed, epoch)}
+        batch = _collate(sequences, epoch_batches[epoch][position], index)
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * _schedule(step, settings)
+        loss, stats = trainer.losses(batch, settings)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        elapsed = time.perf_counter() - t_start
+        if step % 20 == 0 or step == settings.steps:
+            eta = elapsed / (step - start_step) * (settings.steps - step)
+            log(f"step {step}/{settings.steps} epoch {epoch} loss {loss.item():.3f} "
+                + " ".join(f"{v:.2f}" for k, v in stats.items() if k.startswith("top1"))
+                + f"  {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min")
+        if step % settings.checkpoint_every == 0 or step == settings.steps:
+            save()
+        if max_seconds is not None and elapsed > max_seconds:
+            save()
+            log(f"stopped after {elapsed / 60:.1f} min at step {step}; run again to resume")
+            break
+    return head.eval()

@@ -1,0 +1,211 @@
+"""Trained draft heads: the feature head as a Drafter, its training, its files."""
+
+import pytest
+import torch
+
+from specdec_kernels import FeatureHead, FeatureHeadDraft, generate, speculative_generate
+from specdec_kernels.draft_data import Shard, _features
+from specdec_kernels.draft_training import (
+    TrainSettings,
+    _collate,
+    _Trainer,
+    draft_vocabulary,
+    evaluate,
+    load_sequences,
+    new_head,
+    train_head,
+)
+
+from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=3, layers=2)
+
+
+def random_head(target, vocab_size=V, seed=0, scale=1.0):
+    """A head with random weights over the first ``vocab_size`` ids, shuffled."""
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:vocab_size]
+    head = new_head(target, vocab, seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(scale)
+    return head.eval()
+
+
+@pytest.mark.parametrize("vocab_size", [V, 40])
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("K", [1, 3, 5])
+def test_greedy_speculative_output_equals_generate_with_a_head(target, vocab_size, adaptive, K):
+    input_ids, mask = ragged_prompts(B=5, P=7, seed=K)
+    plain = generate(target, input_ids, mask, max_new_tokens=14, temperature=0)
+    spec = speculative_generate(target, FeatureHeadDraft(target, random_head(target, vocab_size)), input_ids, mask,
+                                num_draft_tokens=K, max_new_tokens=14, temperature=0, adaptive=adaptive)
+    for row in range(input_ids.shape[0]):
+        differ = (plain.tokens[row] != spec.tokens[row]).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(target, input_ids, mask, plain.tokens, row, int(differ[0]))
+    assert (spec.stats.num_generated == plain.stats.num_generated).all()
+
+
+def _sequence_hidden(target, ids):
+    with torch.no_grad():
+        _, hidden = target(ids[None], target.new_cache(1, len(ids)), return_hidden=True)
+    return hidden[0]
+
+
+def test_drafting_reads_what_the_unrolled_training_step_reads(target):
+    """Draft token k at run time (the head over its own predicted features) has the logits of
+    unrolled training step k at the same position: training-time test trains what runs."""
+    head = random_head(target, 60, seed=1, scale=3.0)
+    g = torch.Generator().manual_seed(2)
+    n, K = 9, 4
+    prefix = torch.randint(0, V, (n + 1,), generator=g)  # prompt x_0 .. x_{n-1}, then the first token x_n
+    drafter = FeatureHeadDraft(target, head)
+    hidden = _sequence_hidden(target, prefix)
+    drafter.prefill(prefix[None, :n], torch.tensor([n]), 64, hidden_states=hidden[None, :n])
+    drafter.commit(prefix[None, n:], torch.tensor([1]), hidden_states=hidden[None, n - 1:n])
+    proposal = drafter.propose(K, lambda logits: logits.argmax(-1))
+    drafts = proposal.token_ids[0]
+
+    # The same pairs for training: (h_t, x_{t+1}); positions past n - 1 hold the drafts (their
+    # features are never read by the steps compared).
+    sequence = torch.cat([prefix, drafts[:-1]])
+    features = _sequence_hidden(target, sequence)
+    L = len(sequence)
+    index = torch.full((V,), -1, dtype=torch.int64)
+    index[head.draft_vocab] = torch.arange(len(head.draft_vocab))
+    from specdec_kernels.draft_training import _Sequence
+
+    seq = _Sequence(features.half().float(), sequence, torch.zeros(L, 2, dtype=torch.int64), torch.zeros(L, 2), n)
+    batch = _collate([seq], [0], index)
+    batch.features = features[None, :-1]  # exact features (the shard stores float16)
+    outputs = _Trainer(target, head).forward(batch, K)
+    for k in range(1, K + 1):
+        trained = outputs[k - 1][0][0, n - 1 + (k - 1)]
+        ran = proposal.logits[0, k - 1, head.draft_vocab]
+        torch.testing.assert_close(ran, trained, rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_with_a_head_is_lossless():
+    """Chi-square of the first three sampled tokens against the target's exact distribution."""
+    from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
+
+    small = dict(layers=2, hidden=32, heads=4, kv_heads=1)
+    target = tiny_llama(seed=1, scale=4.0, vocab_size=64, **small)
+    vocab = torch.arange(40)  # drafts never propose ids 40..63, which the target still samples
+    head = new_head(target, vocab, 0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(8.0)
+    prompt = torch.tensor([3, 1, 4])
+    joint, marginal3 = exact_first_tokens_distribution(target, prompt)
+    ids = prompt.expand(6000, -1).contiguous()
+    out = speculative_generate(target, FeatureHeadDraft(target, head.eval()), ids, num_draft_tokens=2,
+                               max_new_tokens=3, seed=7, adaptive=False, temperature=1.0)
+    t = out.tokens
+    assert chi_square_pvalue(torch.bincount(t[:, 0] * 64 + t[:, 1], minlength=64 * 64).reshape(64, 64), joint) \
+        > P_THRESHOLD
+    assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=64), marginal3) > P_THRESHOLD
+    assert out.stats.num_accepted.sum() > 0 and (t >= 40).any()
+
+
+def test_a_head_for_another_target_is_refused(target):
+    other = tiny_llama(seed=3, layers=2, hidden=32)
+    with pytest.raises(ValueError, match="trained for another target"):
+        FeatureHeadDraft(other, random_head(target))
+    with pytest.raises(TypeError, match="built-in Llama"):
+        FeatureHeadDraft(torch.nn.Linear(2, 2), random_head(target))
+
+
+@pytest.mark.parametrize("vocab, message", [(torch.tensor([1, 1]), "distinct"), (torch.tensor([V]), "distinct"),
+                                            (torch.tensor([1.0]), "int64"), (torch.tensor([], dtype=torch.int64),
+                                                                             "non-empty")])
+def test_a_bad_draft_vocabulary_is_refused(target, vocab, message):
+    with pytest.raises(ValueError, match=message):
+        FeatureHead(target.config, vocab)
+
+
+def test_a_saved_head_loads_to_the_same_drafts(target, tmp_path):
+    head = random_head(target, 50, seed=4, scale=3.0)
+    head.save(tmp_path / "head.pt", dtype=torch.float32)
+    loaded = FeatureHead.load(tmp_path / "head.pt")
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    (tmp_path / "bad.pt").write_bytes(b"not a head")
+    with pytest.raises(ValueError, match="bad.pt is not a feature draft head"):
+        FeatureHead.load(tmp_path / "bad.pt")
+
+
+# --------------------------------------------------------------------------- training
+
+def _tiny_shards(target, folder, count=2, per_shard=6, seed=0):
+    """Shards as `write_shards` writes them, from the tiny target's own greedy answers."""
+    paths = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(seed + i)
+        prompts = [torch.randint(0, V, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
+                   for _ in range(per_shard)]
+        sequences = []
+        for p in prompts:
+            out = generate(target, p[None], max_new_tokens=12, temperature=0)
+            sequences.append(torch.cat([p, out.tokens[0]]))
+        hidden, top_ids, top_logits = _features(target, sequences, 8, max_tokens_per_pass=64)
+        path = folder / f"shard-{i:05d}.pt"
+        torch.save({"token_ids": torch.cat(sequences), "lengths": torch.tensor([len(s) for s in sequences]),
+                    "prompt_lengths": torch.tensor([len(p) for p in prompts]), "hidden": hidden,
+                    "top_ids": top_ids, "top_logits": top_logits}, path)
+        paths.append(path)
+    return paths
+
+
+def test_shards_hold_the_targets_features_and_top_logits(target, tmp_path):
+    paths = _tiny_shards(target, tmp_path, count=1)
+    shard = Shard.load(paths[0])
+    first = shard.token_ids[: int(shard.lengths[0])]
+    with torch.no_grad():
+        logits, hidden = target(first[None], target.new_cache(1, len(first)), return_hidden=True)
+    torch.testing.assert_close(shard.hidden[: len(first)].float(), hidden[0], rtol=1e-3, atol=1e-3)
+    assert torch.equal(shard.top_ids[: len(first), 0], logits[0].argmax(-1))
+    (tmp_path / "broken.pt").write_bytes(b"\0" * 10)
+    with pytest.raises(ValueError, match="broken.pt is not a draft-data shard"):
+        Shard.load(tmp_path / "broken.pt")
+
+
+def test_training_reduces_the_loss_and_raises_agreement(target, tmp_path):
+    sequences = load_sequences(_tiny_shards(target, tmp_path, count=2))
+    settings = TrainSettings(steps=40, tokens_per_batch=64, lr=3e-3, warmup=5, unroll=2, draft_vocab_size=64,
+                             checkpoint_every=1000)
+    head = train_head(target, sequences, tmp_path / "run", TrainSettings(**{**settings.__dict__, "steps": 1}),
+                      log=lambda _: None)
+    before = evaluate(target, head, sequences, unroll=2)
+    head = train_head(target, sequences, tmp_path / "run2", settings, log=lambda _: None)
+    after = evaluate(target, head, sequences, unroll=2)
+    assert after["top1_step1"] > before["top1_step1"] + 0.2
+    assert after["top1_step2"] > before["top1_step2"] + 0.1
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(target, tmp_path):
+    sequences = load_sequences(_tiny_shards(target, tmp_path, count=1))
+    settings = TrainSettings(steps=6, tokens_per_batch=48, warmup=2, unroll=2, draft_vocab_size=50,
+                             checkpoint_every=3)
+    straight = train_head(target, sequences, tmp_path / "straight", settings, log=lambda _: None)
+    train_head(target, sequences, tmp_path / "pieces", TrainSettings(**{**settings.__dict__}), max_seconds=0.0,
+               log=lambda _: None)  # stops after its first step
+    assert torch.load(tmp_path / "pieces" / "checkpoint.pt", weights_only=True)["step"] == 1
+    resumed = train_head(target, sequences, tmp_path / "pieces", settings, log=lambda _: None)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="other settings"):
+        train_head(target, sequences, tmp_path / "pieces", TrainSettings(**{**settings.__dict__, "lr": 1.0}))
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_answer_ids(target, tmp_path):
+    sequences = load_sequences(_tiny_shards(target, tmp_path, count=1))
+    vocab = draft_vocabulary(sequences, 10, V)
+    counts = torch.zeros(V, dtype=torch.int64)
+    for s in sequences:
+        counts += torch.bincount(s.token_ids[s.prompt_length:], minlength=V)
+        counts += torch.bincount(s.top_ids[s.prompt_length - 1:, 0], minlength=V)
+    assert len(vocab) == 10 and counts[vocab].min() >= counts[counts.argsort(descending=True)[9]]
