@@ -455,6 +455,71 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
+def held_out_prompts(count: int = 8) -> tuple[str, ...]:
+    """Prompts the draft-head recipe never trains on (`build_prompts`' held-out set, past the
+    ones its held-out evaluation shards answer)."""
+    from specdec_kernels.draft_data import build_prompts
+    from specdec_kernels.draft_training import HELD_OUT_SHARDS
+
+    held_out = build_prompts()[1]
+    return tuple(held_out[64 * HELD_OUT_SHARDS:][:count])
+
+
+def run_head(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int, adaptive: bool,
+             prompts: tuple[str, ...], temperature: float = 0.0):
+    """One run of plain generate (``draft`` None) or speculative_generate with ``draft`` (a
+    drafter) on ``prompts``, greedy or sampled (seeded)."""
+    ids, mask = encode(setup, batch_size, prompts)
+    if draft is None:
+        return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
+    return speculative_generate(setup.model, draft, ids, mask, num_draft_tokens=k, adaptive=adaptive, seed=0,
+                                max_new_tokens=max_new_tokens, temperature=temperature)
+
+
+def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
+                head: str | None = None) -> str:
+    """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``) and
+    prompt lookup against our plain generate on held-out prompts (`held_out_prompts`), greedy at
+    each batch size and sampled (temperature 0.7) at batch 1; fixed K and adaptive; every method
+    ``repeats`` times, interleaved. Columns: speedup (medians), acceptance per drafted token,
+    tokens per target forward, the measured c and v, Leviathan's prediction and the efficiency
+    (as in `table`, for fixed K), the mean draft length. A markdown table plus the machine line."""
+    from benchmarks.timing import machine_line
+    from specdec_kernels import FeatureHead, FeatureHeadDraft, load_smollm2_draft
+
+    torch.manual_seed(0)
+    setup = load_setup(pack)
+    drafter = (load_smollm2_draft(setup.model) if head is None
+               else FeatureHeadDraft(setup.model, FeatureHead.load(head)))
+    prompts = held_out_prompts()
+    lines = []
+    for B, temperature in [*((b, 0.0) for b in batch_sizes), (1, 0.7)]:
+        methods = {"plain": (run_head, None, k, False, prompts, temperature)}
+        for name, draft in (("trained head", drafter), ("prompt lookup", PromptLookupDraft())):
+            for adaptive in (False, True):
+                methods[name, adaptive] = (run_head, draft, k, adaptive, prompts, temperature)
+        median = _interleaved_medians(setup, methods, B, max_new_tokens, repeats)
+        plain_s, plain = median["plain"]
+        for (name, adaptive), (seconds, out) in ((m, v) for m, v in median.items() if m != "plain"):
+            if temperature == 0 and not torch.equal(out.tokens, plain.tokens):
+                raise AssertionError(f"{name} gave other greedy tokens than plain generate")
+            st = out.stats
+            target_step = plain.stats.time_target_s / (plain.stats.target_forwards - 1)
+            v = st.time_target_s / (st.target_forwards - 1) / target_step
+            c = st.time_draft_s / max(1, int(st.num_proposed.max())) / target_step
+            predicted, efficiency = leviathan(st, k, plain.stats) if not adaptive else (None, None)
+            lines.append(f"| {B} | {temperature:g} | {name} | {'adaptive' if adaptive else 'fixed'} | "
+                         f"{plain_s / seconds:.2f}x | {st.acceptance_rate:.1%} | {st.tokens_per_target_forward:.2f} | "
+                         f"{c:.3f} | {v:.2f} | {'' if predicted is None else f'{predicted:.2f}x'} | "
+                         f"{'' if efficiency is None else f'{efficiency:.2f}'} | {st.mean_draft_length:.2f} |")
+    header = ("| batch | temperature | draft | K | vs plain | acceptance | tokens per target forward | c | v | "
+              "predicted (fixed K) | efficiency (fixed K) | mean draft length |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    return (f"SmolLM2-135M-Instruct float32 on cpu, {max_new_tokens} new tokens per row, K = {k}, "
+            f"{len(prompts)} held-out prompts, median of {repeats} interleaved runs\n"
+            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+
+
 def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3,
                     device: str = "cpu", dtype: torch.dtype = torch.float32,
                     cuda_graphs: bool = True, random_weights: str | None = None) -> str:
@@ -533,7 +598,15 @@ if __name__ == "__main__":
     parser.add_argument("--lookahead-configs", nargs="+", default=None, metavar="W,N,G",
                         help="the lookahead table's (window, ngram, guesses) (default: "
                              + " ".join(",".join(map(str, c)) for c in LOOKAHEAD_CONFIGS) + ")")
+    parser.add_argument("--heads", action="store_true",
+                        help="the trained draft head and prompt lookup against plain generate on held-out prompts")
+    parser.add_argument("--head", default=None, metavar="PATH",
+                        help="--heads: a FeatureHead file instead of the shipped head")
     args = parser.parse_args()
+    if args.heads:
+        print(heads_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
+                          head=args.head))
+        raise SystemExit(0)
     if args.lookahead:
         configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else
                    tuple(tuple(int(x) for x in c.split(",")) for c in args.lookahead_configs))

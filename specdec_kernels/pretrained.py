@@ -375,3 +375,36 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | s
     if importlib.util.find_spec("gguf"):
         tokenizer = _with_gguf_special_tokens(tokenizer, smollm2_gguf())
     return Llama.from_pretrained(folder, dtype=dtype, device=device), tokenizer
+
+
+SMOLLM2_DRAFT_HEAD = Path(__file__).parent / "heads" / "smollm2-feature.pt"
+
+
+def load_smollm2_draft(target: Llama):
+    """The draft head shipped for SmolLM2-135M-Instruct, as a drafter for ``target``.
+
+    An EAGLE-style `FeatureHead` (one decoder layer over the target's features, an 8192-id draft
+    vocabulary) trained on this package's recipe (``python -m specdec_kernels train-draft``; see
+    docs/drafters.md): no download, the weights are in the package.
+
+    Args:
+        target: SmolLM2-135M-Instruct as `load_smollm2` returns it (any dtype and device).
+
+    Returns:
+        A `FeatureHeadDraft` for `speculative_generate`.
+
+    Raises:
+        FileNotFoundError: this installation lacks the head's file.
+        ValueError: ``target`` is not SmolLM2-135M-Instruct's shape.
+
+    Example::
+
+        model, tokenizer = load_smollm2()
+        out = speculative_generate(model, load_smollm2_draft(model), input_ids, max_new_tokens=64, temperature=0)
+    """
+    from .draft_heads import FeatureHead, FeatureHeadDraft
+
+    if not SMOLLM2_DRAFT_HEAD.is_file():
+        raise FileNotFoundError(f"the SmolLM2 draft head is missing from this installation: {SMOLLM2_DRAFT_HEAD}")
+    return FeatureHeadDraft(target, FeatureHead.load(SMOLLM2_DRAFT_HEAD))
+

@@ -104,6 +104,9 @@ def fake_decoding(monkeypatch):
 
 # --------------------------------------------------------------------------- options
 
+BAD_DRAFT = "--draft must be 'trained', 'prompt_lookup' or 'layers:N'"
+
+
 @pytest.mark.parametrize("option,message", [
     pytest.param(["--max-new-tokens", "0"], "--max-new-tokens must be >= 1", id="max-new-tokens-0"),
     pytest.param(["-k", "0"], "--num-draft-tokens must be >= 1", id="k-0"),
@@ -117,14 +120,16 @@ def fake_decoding(monkeypatch):
     pytest.param(["--temperature", "inf"], "--temperature must be finite and >= 0", id="temperature-inf"),
     pytest.param(["--temperature", "nan"], "--temperature must be finite and >= 0", id="temperature-nan"),
     pytest.param(["--seed", str(2**64)], "--seed must lie in [-2**63, 2**64)", id="seed-2^64"),
-    pytest.param(["--draft", "layers:x"], "--draft must be 'prompt_lookup' or 'layers:N'", id="draft-layers-x"),
-    pytest.param(["--draft", "layers:0"], "--draft must be 'prompt_lookup' or 'layers:N'", id="draft-layers-0"),
-    pytest.param(["--draft", "ngram"], "--draft must be 'prompt_lookup' or 'layers:N'", id="draft-unknown"),
+    pytest.param(["--draft", "layers:x"], BAD_DRAFT, id="draft-layers-x"),
+    pytest.param(["--draft", "layers:0"], BAD_DRAFT, id="draft-layers-0"),
+    pytest.param(["--draft", "ngram"], BAD_DRAFT, id="draft-unknown"),
     pytest.param(["--draft", "layers:99"], "--draft layers:99: SmolLM2-135M-Instruct has 30 layers",
                  id="draft-layers-99"),
     pytest.param(["--draft", "layers:31"], "so N must lie in 1..30", id="draft-layers-31"),
     pytest.param(["--model", "gemma3-270m", "--draft", "layers:3"], "a layer draft needs the built-in model",
                  id="gemma-layer-draft"),
+    pytest.param(["--model", "gemma3-270m", "--draft", "trained"], "the shipped draft head is SmolLM2",
+                 id="gemma-trained-draft"),
     pytest.param(["--model", "gpt5"], "invalid choice: 'gpt5'", id="model-unknown"),
     pytest.param(["--prompt", " "], "--prompt must not be empty", id="prompt-blank"),
     pytest.param(["--method", "jacobi", "--temperature", "0.7"], "--method jacobi is greedy", id="jacobi-sampled"),

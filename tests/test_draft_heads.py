@@ -209,3 +209,49 @@ def test_the_draft_vocabulary_is_the_most_frequent_answer_ids(target, tmp_path):
         counts += torch.bincount(s.token_ids[s.prompt_length:], minlength=V)
         counts += torch.bincount(s.top_ids[s.prompt_length - 1:, 0], minlength=V)
     assert len(vocab) == 10 and counts[vocab].min() >= counts[counts.argsort(descending=True)[9]]
+
+
+def test_write_shards_resumes_and_refuses_other_settings(target, tmp_path):
+    """Shards are written whole, skipped when present (a resumed run writes the rest), and a
+    folder written with other settings is refused by name."""
+    from test_demo import _CharTokenizer
+
+    from specdec_kernels.draft_data import write_shards
+
+    prompts = ["abc", "hello there", "x", "list: a, b, c", "copy this", "zz"]
+    first = write_shards(target, _CharTokenizer(), prompts, tmp_path, shard_size=2, max_new_tokens=5, batch_size=2,
+                         top_k=4, max_seconds=0.0)
+    assert [p.name for p in first] == ["shard-00000.pt"]  # the budget ran out after one shard
+    before = first[0].stat().st_mtime_ns
+    paths = write_shards(target, _CharTokenizer(), prompts, tmp_path, shard_size=2, max_new_tokens=5, batch_size=2,
+                         top_k=4)
+    assert [p.name for p in paths] == ["shard-00000.pt", "shard-00001.pt", "shard-00002.pt"]
+    assert first[0].stat().st_mtime_ns == before
+    shard = Shard.load(paths[1])
+    assert shard.prompt_lengths.tolist() == [len("<user>x<assistant>"), len("<user>list: a, b, c<assistant>")]
+    assert ((shard.lengths - shard.prompt_lengths) >= 1).all() and ((shard.lengths - shard.prompt_lengths) <= 5).all()
+    assert shard.hidden.dtype == torch.float16 and shard.top_ids.shape == (int(shard.lengths.sum()), 4)
+    with pytest.raises(ValueError, match="other settings"):
+        write_shards(target, _CharTokenizer(), prompts, tmp_path, shard_size=2, max_new_tokens=6, batch_size=2,
+                     top_k=4)
+
+
+def test_held_out_prompts_are_never_training_prompts():
+    from specdec_kernels.draft_data import build_prompts, is_held_out
+
+    train, held_out = build_prompts()
+    assert held_out and len(train) > 10 * len(held_out)
+    assert not set(train) & set(held_out)
+    assert all(is_held_out(p) for p in held_out) and not any(is_held_out(p) for p in train[:500])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--minutes", "0"], "--minutes must be > 0"),
+    (["--steps", "-3"], "--steps must be > 0"),
+    (["--prompts", "0"], "--prompts must be > 0"),
+])
+def test_train_draft_refuses_bad_options(capsys, argv, message):
+    from specdec_kernels.__main__ import main
+
+    assert main(["train-draft", *argv]) == 2
+    assert message in capsys.readouterr().err
