@@ -325,6 +325,10 @@ class _HiddenStatesDraft(PromptLookupDraft):
         super().__init__()
         self.hidden_size, self.commits = hidden_size, 0
 
+    def prefill(self, input_ids, q_seqlens, max_len, *, hidden_states) -> None:
+        assert hidden_states.is_cuda and hidden_states.shape == (*input_ids.shape, self.hidden_size)
+        super().prefill(input_ids, q_seqlens, max_len)
+
     def commit(self, token_ids, num_tokens, *, hidden_states) -> None:
         assert hidden_states.is_cuda and hidden_states.shape[:2] == token_ids.shape
         assert hidden_states.shape[2] == self.hidden_size
