@@ -43,8 +43,8 @@ class FeatureHead(nn.Module):
         draft_vocab: [Vd] int64, distinct ids of the target vocabulary the head drafts from.
 
     Attributes:
-        feature_norm: an `RMSNorm` of the features.
-        fc: ``Linear(2H, H)`` over ``[normalized feature, embedding]``.
+        feature_norm, embedding_norm: `RMSNorm` of the features and of the token embeddings.
+        fc: ``Linear(2H, H)`` over ``[normalized feature, normalized embedding]``.
         layer: one decoder `Block` of the target's shape.
         draft_vocab: the ids (a buffer, saved with the head).
 
@@ -66,14 +66,16 @@ class FeatureHead(nn.Module):
             raise ValueError(f"draft_vocab must hold distinct ids in [0, {config.vocab_size})")
         self.config = config
         self.feature_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embedding_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = Linear(2 * config.hidden_size, config.hidden_size)
         self.layer = Block(config)
         self.register_buffer("draft_vocab", draft_vocab.clone())
 
     def input_vectors(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        """The layer's input [..., H] from features and token embeddings (both [..., H]). The
-        features are normalized first: a target's hidden states carry a few huge dimensions."""
-        return self.fc(torch.cat([self.feature_norm(features), embeddings], -1))
+        """The layer's input [..., H] from features and token embeddings (both [..., H]). Both are
+        normalized first: a target's hidden states carry a few huge dimensions, and its token
+        embeddings are an order of magnitude smaller than the normalized features."""
+        return self.fc(torch.cat([self.feature_norm(features), self.embedding_norm(embeddings)], -1))
 
     def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float16) -> None:
         """Write the head (config, draft vocabulary, weights in ``dtype``) to ``path``, atomically."""
@@ -152,7 +154,8 @@ class FeatureHeadDraft:
 
     Args:
         target: the built-in `Llama` the head was trained for.
-        head: the trained `FeatureHead` (moved to the target's device and dtype).
+        head: the trained `FeatureHead`, moved to the target's device and dtype; when the
+            target's weights are packed (`Llama.pack_weights`), the head's follow the same plan.
 
     Example::
 
@@ -169,6 +172,10 @@ class FeatureHeadDraft:
         self.target, self.head = target, head.to(device=weight.device, dtype=weight.dtype).eval()
         self.model = _head_model(target, self.head)
         self.vocab = self.head.draft_vocab
+        plan = getattr(target.output, "plan", None)
+        if plan is not None:  # a packed target: the head's matmuls take the same forms
+            self.model.pack_weights(plan=plan)
+            self.head.fc.pack(plan)
 
     def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int, *,
                 hidden_states: torch.Tensor) -> None:

@@ -255,3 +255,18 @@ def test_train_draft_refuses_bad_options(capsys, argv, message):
 
     assert main(["train-draft", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_head_on_a_packed_target_drafts_as_unpacked(target):
+    """A packed target's plan is applied to the head's matmuls: the same drafts, to rounding."""
+    import copy
+
+    from specdec_kernels.matmul import MKL_PACKED_PLAN
+
+    packed = copy.deepcopy(target).pack_weights(plan=MKL_PACKED_PLAN)
+    input_ids, mask = ragged_prompts(B=3, P=6, seed=5)
+    outs = [speculative_generate(t, FeatureHeadDraft(t, random_head(target, 50, seed=2, scale=3.0)), input_ids, mask,
+                                 num_draft_tokens=3, max_new_tokens=10, temperature=0, adaptive=False)
+            for t in (target, packed)]
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.equal(outs[0].stats.num_accepted, outs[1].stats.num_accepted)
