@@ -289,7 +289,7 @@ def _check_manifest(folder: Path, settings: dict) -> None:
 
 def write_shards(model, tokenizer, prompts: list[str], folder: str | os.PathLike, *, shard_size: int = 64,
                  max_new_tokens: int = 256, batch_size: int = 32, top_k: int = 32, sampled_temperature: float = 0.7,
-                 seed: int = 0, max_seconds: float | None = None,
+                 seed: int = 0, max_shards: int | None = None, max_seconds: float | None = None,
                  progress: Callable[[int, int, float], None] | None = None) -> list[Path]:
     """Answer ``prompts`` with ``model`` and write the distillation shards into ``folder``.
 
@@ -303,6 +303,7 @@ def write_shards(model, tokenizer, prompts: list[str], folder: str | os.PathLike
         tokenizer: its tokenizer, with a chat template and an EOS token.
         prompts: user messages (`build_prompts`).
         folder: where the shards go (created if missing).
+        max_shards: write only the first ``max_shards`` shards (None: all).
         max_seconds: stop after the shard that passes this wall time (the rest is written by a
             later run); None: write them all.
         progress: called as ``progress(done_shards, total_shards, seconds_per_shard)``.
@@ -319,6 +320,8 @@ def write_shards(model, tokenizer, prompts: list[str], folder: str | os.PathLike
                              "batch_size": batch_size, "top_k": top_k, "sampled_temperature": sampled_temperature,
                              "seed": seed})
     total = (len(prompts) + shard_size - 1) // shard_size
+    if max_shards is not None:
+        total = min(total, max_shards)
     t_start, written = time.perf_counter(), 0
     for index in range(total):
         path = shard_path(folder, index)

@@ -360,7 +360,8 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
         data_dir, out_dir: default ``cache_dir()/draft-data-<target>`` and
             ``cache_dir()/draft-<head>-<target>``.
         max_minutes: wall-time budget of this piece (None: run to the end).
-        num_prompts: training prompts to answer at most (None: all `build_prompts` gives).
+        num_prompts: training prompts to answer and train on, rounded up to whole shards of 64
+            (None: all `build_prompts` gives, and every shard on disk).
         device: ``"cpu"`` or ``"cuda"``; None: a GPU when present.
 
     Returns:
@@ -385,6 +386,7 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     out_dir = Path(out_dir) if out_dir is not None else cache_dir() / f"draft-{head}-{target}"
     deadline = None if max_minutes is None else time.perf_counter() + 60 * max_minutes
     left = lambda: None if deadline is None else max(0.0, deadline - time.perf_counter())
+    max_shards = None if num_prompts is None else -(-num_prompts // 64)
     model, tokenizer = load_smollm2(device=device)
     if stage in ("data", "all"):
         from .draft_data import build_prompts, write_shards
@@ -396,12 +398,12 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
                                                     f"ETA {(total - done) * seconds / 60:.0f} min")
         write_shards(model, tokenizer, held_out[:64 * HELD_OUT_SHARDS], data_dir / "held-out", max_seconds=left(),
                      progress=progress)
-        write_shards(model, tokenizer, train[:num_prompts], data_dir, max_seconds=left(), progress=progress)
+        write_shards(model, tokenizer, train, data_dir, max_shards=max_shards, max_seconds=left(), progress=progress)
         if device == "cpu" and model.can_pack_weights():
             model.pack_weights(False)
     if stage == "data" or (left() is not None and left() <= 0):
         return None
-    paths = sorted(data_dir.glob("shard-*.pt"))
+    paths = sorted(data_dir.glob("shard-*.pt"))[:max_shards]
     if not paths:
         raise FileNotFoundError(f"no training shards in {data_dir}: run the data stage first")
     sequences = load_sequences(paths)
