@@ -11,7 +11,9 @@ import pytest
 from benchmarks.generation import (
     OPEN_PROMPTS,
     PROMPTS,
+    held_out_prompts,
     load_setup,
+    run_head,
     run_hf,
     run_jacobi,
     run_lookahead,
@@ -83,3 +85,20 @@ def test_lookahead(benchmark, setup, config, batch_size, prompts):
                              warmup_rounds=1)
     benchmark.extra_info["tokens_per_target_forward"] = out.stats.tokens_per_target_forward
     assert int(out.stats.num_generated.sum()) == batch_size * MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("batch_size", [1, 8], ids=["B1", "B8"])
+@pytest.mark.parametrize("draft", [None, "trained", "prompt_lookup"], ids=["plain", "trained-head", "prompt-lookup"])
+def test_trained_head(benchmark, setup, draft, batch_size):
+    """The shipped draft head (`load_smollm2_draft`, adaptive K <= 4) and prompt lookup beside our
+    plain generate, greedy, on held-out prompts; the table with acceptance, c, v and efficiency
+    comes from ``python -m benchmarks.generation --heads``."""
+    from specdec_kernels import load_smollm2_draft
+
+    drafter = {None: lambda: None, "trained": lambda: load_smollm2_draft(setup.model),
+               "prompt_lookup": PromptLookupDraft}[draft]()
+    benchmark.group = f"trained head B={batch_size}"
+    out = benchmark.pedantic(run_head, args=(setup, batch_size, MAX_NEW_TOKENS, drafter, 4, True, held_out_prompts()),
+                             rounds=2, warmup_rounds=1)
+    benchmark.extra_info["tokens_per_target_forward"] = out.stats.tokens_per_target_forward
+    assert out.stats.num_generated.sum() > 0
