@@ -341,7 +341,12 @@ def run_train_draft(args: argparse.Namespace) -> int:
     except (ModelNotInstalledError, FileNotFoundError, ValueError) as e:
         print(f"train-draft: {e}", file=sys.stderr)
         return 2
-    log(f"done: {path}" if path is not None else "stopped before the end: run the same command again to go on")
+    if path is not None:
+        log(f"done: {path}")
+    elif args.stage == "data":
+        log("data piece over: run it again to add shards (until every prompt is answered), or --stage train")
+    else:
+        log("stopped before the end: run the same command again to go on")
     return 0
 
 
