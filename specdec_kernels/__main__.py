@@ -419,7 +419,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     train.add_argument("--stage", choices=("data", "train", "all"), default="all", help="(default: %(default)s)")
     train.add_argument("--minutes", type=float, default=None, help="wall-time budget of this piece (default: none)")
     train.add_argument("--steps", type=int, default=None, help="optimizer steps in all (default: 4000)")
-    train.add_argument("--prompts", type=int, default=None, help="training prompts to answer at most (default: all)")
+    train.add_argument("--prompts", type=int, default=None,
+                       help="training prompts to answer and train on, rounded up to shards of 64 (default: all)")
     train.add_argument("--data-dir", default=None, help="(default: <cache>/draft-data-<target>)")
     train.add_argument("--out-dir", default=None, help="(default: <cache>/draft-<head>-<target>)")
     train.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")

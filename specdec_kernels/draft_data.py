@@ -226,7 +226,8 @@ class Shard:
                              "data step again to rewrite it") from e
         N = int(shard.lengths.sum())
         if (shard.token_ids.shape != (N,) or shard.hidden.shape[0] != N or shard.top_ids.shape[0] != N
-                or shard.top_logits.shape != shard.top_ids.shape or shard.prompt_lengths.shape != shard.lengths.shape):
+                or shard.top_logits.shape != shard.top_ids.shape or shard.prompt_lengths.shape != shard.lengths.shape
+                or not ((shard.prompt_lengths >= 1) & (shard.prompt_lengths < shard.lengths)).all()):
             raise ValueError(f"{path}: inconsistent shapes (lengths sum to {N}, token_ids "
                              f"{tuple(shard.token_ids.shape)}, hidden {tuple(shard.hidden.shape)}): delete it and "
                              "run the data step again")

@@ -89,6 +89,8 @@ class FeatureHead(nn.Module):
     def load(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> FeatureHead:
         """Read a head `save` wrote; a ValueError names a file that is not one."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no draft head file at {path}")
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
             if data.get("format") != HEAD_FORMAT or data.get("kind") != "feature":
@@ -133,7 +135,8 @@ def _head_model(target: Llama, head: FeatureHead) -> Llama:
 def _append_ragged(buffer: torch.Tensor, lengths: torch.Tensor, new: torch.Tensor, num_new: torch.Tensor
                    ) -> torch.Tensor:
     """[B, W + N, ...]: row b's first ``lengths[b]`` entries of ``buffer`` [B, W, ...], then its
-    first ``num_new[b]`` of ``new`` [B, N, ...]; zeros after (no host sync)."""
+    first ``num_new[b]`` of ``new`` [B, N, ...]; what follows is padding, never read (the
+    forwards' ``q_seqlens`` mask it). No host sync."""
     B, W, N = buffer.shape[0], buffer.shape[1], new.shape[1]
     out = torch.cat([buffer, new.new_zeros(B, N + 1, *new.shape[2:])], 1)  # + a spare column for padding
     offsets = torch.arange(N, device=new.device)
@@ -154,8 +157,10 @@ class FeatureHeadDraft:
 
     Args:
         target: the built-in `Llama` the head was trained for.
-        head: the trained `FeatureHead`, moved to the target's device and dtype; when the
-            target's weights are packed (`Llama.pack_weights`), the head's follow the same plan.
+        head: the trained `FeatureHead`, moved in place to the target's device and dtype; when
+            the target's weights are packed (`Llama.pack_weights`) at construction, the head's
+            are packed with the same plan (read once: a later change of the target's is not
+            followed).
 
     Example::
 

@@ -218,7 +218,7 @@ class _Trainer:
             total = total + settings.step_decay ** (k - 1) * loss
             agree = (vocab[logits.argmax(-1)] == batch.target_argmax) & mask
             stats[f"top1_step{k}"] = (agree.sum() / count).item()
-            stats[f"positions_step{k}"] = int(count)
+            stats[f"positions_step{k}"] = int(mask.sum())  # 0 when no position counts
         return total, stats
 
 
@@ -251,6 +251,7 @@ def new_head(target: Llama, vocabulary: torch.Tensor, seed: int) -> FeatureHead:
 def evaluate(target: Llama, head: FeatureHead, sequences: list[_Sequence], unroll: int = 3,
              tokens_per_batch: int = 4096) -> dict:
     """Top-1 agreement with the target's argmax per draft position (1 .. unroll) over ``sequences``."""
+    head = head.to(target.output.weight.device, torch.float32)
     trainer = _Trainer(target, head)
     index = torch.full((target.vocab_size,), -1, dtype=torch.int64)
     index[head.draft_vocab.cpu()] = torch.arange(len(head.draft_vocab))
@@ -266,11 +267,14 @@ def evaluate(target: Llama, head: FeatureHead, sequences: list[_Sequence], unrol
 
 
 def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathLike, settings: TrainSettings,
-               *, max_seconds: float | None = None, log: Callable[[str], None] = print) -> FeatureHead:
+               *, max_seconds: float | None = None, log: Callable[[str], None] = print,
+               data_id: str = "") -> FeatureHead:
     """Train a `FeatureHead` for ``target`` on ``sequences``, resuming from ``folder``'s checkpoint.
 
     Writes ``folder/checkpoint.pt`` every ``settings.checkpoint_every`` steps and when
     ``max_seconds`` has passed (the piece then returns; run again to go on) or training ends.
+    ``data_id`` names the data (`train_draft` passes the shard names); a checkpoint written with
+    other settings or other data is refused, so a resumed run continues the same run.
 
     Returns:
         The head as trained so far (float32, eval mode).
@@ -281,10 +285,18 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
     for p in target.parameters():
         p.requires_grad_(False)
     if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-        if state["settings"] != asdict(settings):
+        try:
+            state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+            recorded = (state["settings"], state["data"])
+        except Exception as e:
+            raise ValueError(f"{checkpoint_path} is not a training checkpoint ({type(e).__name__}: {e}); delete it "
+                             "to start again") from e
+        if recorded[0] != asdict(settings):
             raise ValueError(f"{checkpoint_path} was written with other settings {state['settings']}; pass the "
                              "same settings to resume, or another folder to start again")
+        if recorded[1] != data_id:
+            raise ValueError(f"{checkpoint_path} was written for other data ({recorded[1]!r}, now {data_id!r}); "
+                             "resume on the same shards (--prompts), or use another folder to start again")
         head = FeatureHead(target.config, state["head"]["draft_vocab"])
         head.load_state_dict(state["head"])
         step = state["step"]
@@ -302,7 +314,7 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
 
     def save() -> None:
         tmp = checkpoint_path.with_suffix(".tmp")
-        torch.save({"settings": asdict(settings), "step": step, "head": head.state_dict(),
+        torch.save({"settings": asdict(settings), "data": data_id, "step": step, "head": head.state_dict(),
                     "optimizer": optimizer.state_dict()}, tmp)
         os.replace(tmp, checkpoint_path)
 
@@ -409,7 +421,8 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     sequences = load_sequences(paths)
     log(f"train: {len(paths)} shards, {len(sequences)} sequences, "
         f"{sum(len(s.token_ids) - s.prompt_length for s in sequences)} answer tokens")
-    trained = train_head(model, sequences, out_dir, settings, max_seconds=left(), log=log)
+    trained = train_head(model, sequences, out_dir, settings, max_seconds=left(), log=log,
+                         data_id=f"{len(paths)} shards: {paths[0].name} .. {paths[-1].name}")
     if torch.load(out_dir / "checkpoint.pt", weights_only=True)["step"] < settings.steps:
         return None
     held = sorted((data_dir / "held-out").glob("shard-*.pt"))

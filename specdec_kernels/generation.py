@@ -566,6 +566,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     with timer("draft prefill"):
         shared = {"target_cache": cache} if getattr(drafter, "needs_target_cache", False) is True else {}
         if hidden:  # the prompt's features; the first commit carries the last prompt position's
+            if states.shape[:2] != request.prompt.shape:
+                raise ValueError(f"{type(target).__name__}.forward(return_hidden=True, last_only=True) returned hidden "
+                                 f"states {list(states.shape)}: a drafter reading the target's features needs every "
+                                 f"prompt position's, [B, P, H] = {[*request.prompt.shape, 'H']}")
             shared["hidden_states"] = states
             states = states.gather(1, (request.prompt_lengths - 1).view(-1, 1, 1).expand(-1, 1, states.shape[-1]))
         drafter.prefill(request.prompt, request.prompt_lengths, request.max_len, **shared)

@@ -395,6 +395,7 @@ def load_smollm2_draft(target: Llama):
 
     Raises:
         FileNotFoundError: this installation lacks the head's file.
+        TypeError: ``target`` is not a built-in `Llama` (an `HFCausalLM` is refused).
         ValueError: ``target`` is not SmolLM2-135M-Instruct's shape.
 
     Example::

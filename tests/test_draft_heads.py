@@ -15,6 +15,7 @@ from specdec_kernels.draft_training import (
     new_head,
     train_head,
 )
+from specdec_kernels.matmul import mkl_packing_available
 
 from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
 
@@ -199,6 +200,11 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(target, tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="other settings"):
         train_head(target, sequences, tmp_path / "pieces", TrainSettings(**{**settings.__dict__, "lr": 1.0}))
+    with pytest.raises(ValueError, match="other data"):
+        train_head(target, sequences, tmp_path / "pieces", settings, data_id="2 shards")
+    (tmp_path / "pieces" / "checkpoint.pt").write_bytes(b"truncated")
+    with pytest.raises(ValueError, match="checkpoint.pt is not a training checkpoint"):
+        train_head(target, sequences, tmp_path / "pieces", settings)
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_answer_ids(target, tmp_path):
@@ -240,6 +246,7 @@ def test_held_out_prompts_are_never_training_prompts():
     from specdec_kernels.draft_data import build_prompts, is_held_out
 
     train, held_out = build_prompts()
+    assert (train, held_out) == build_prompts()  # the data's settings record a hash of the list
     assert held_out and len(train) > 10 * len(held_out)
     assert not set(train) & set(held_out)
     assert all(is_held_out(p) for p in held_out) and not any(is_held_out(p) for p in train[:500])
@@ -257,6 +264,7 @@ def test_train_draft_refuses_bad_options(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
 def test_a_head_on_a_packed_target_drafts_as_unpacked(target):
     """A packed target's plan is applied to the head's matmuls: the same drafts, to rounding."""
     import copy
@@ -265,8 +273,49 @@ def test_a_head_on_a_packed_target_drafts_as_unpacked(target):
 
     packed = copy.deepcopy(target).pack_weights(plan=MKL_PACKED_PLAN)
     input_ids, mask = ragged_prompts(B=3, P=6, seed=5)
-    outs = [speculative_generate(t, FeatureHeadDraft(t, random_head(target, 50, seed=2, scale=3.0)), input_ids, mask,
-                                 num_draft_tokens=3, max_new_tokens=10, temperature=0, adaptive=False)
-            for t in (target, packed)]
+    drafters = [FeatureHeadDraft(t, random_head(target, 50, seed=2, scale=3.0)) for t in (target, packed)]
+    assert drafters[1].head.fc.plan is MKL_PACKED_PLAN and drafters[1].model.output.plan is MKL_PACKED_PLAN
+    assert drafters[1].model.layers[0].attention.wqkv.plan is MKL_PACKED_PLAN and drafters[0].head.fc.plan is None
+    outs = [speculative_generate(t, d, input_ids, mask, num_draft_tokens=3, max_new_tokens=10, temperature=0,
+                                 adaptive=False) for t, d in zip((target, packed), drafters, strict=True)]
     assert torch.equal(outs[0].tokens, outs[1].tokens)
     assert torch.equal(outs[0].stats.num_accepted, outs[1].stats.num_accepted)
+
+
+def test_the_drafters_bookkeeping_follows_ragged_commits_plain_steps_and_select(target):
+    """Uneven commits, a step without a proposal (commits pile up) and a row selection: each
+    row's proposal equals that of a fresh drafter given the row's committed text at once."""
+    head = random_head(target, 70, seed=6, scale=3.0)
+    g = torch.Generator().manual_seed(4)
+    B, P, extra = 3, 6, 9
+    text = torch.randint(0, V, (B, P + extra), generator=g)  # every row's committed tokens, in order
+    lengths = torch.tensor([6, 3, 5])  # prompt lengths (right-padded)
+    hidden = torch.stack([_sequence_hidden(target, row) for row in text])
+    prompt = torch.where(torch.arange(P) < lengths[:, None], text[:, :P], 0)
+    drafter = FeatureHeadDraft(target, head)
+    drafter.prefill(prompt, lengths, 64, hidden_states=torch.where((torch.arange(P) < lengths[:, None])[..., None],
+                                                                    hidden[:, :P], 0.0))
+    done = lengths.clone()  # committed tokens per row
+
+    def commit(counts):
+        counts = torch.tensor(counts)
+        N = int(counts.max())
+        index = (done[:, None] + torch.arange(N)).clamp(max=P + extra - 1)
+        drafter.commit(text.gather(1, index), counts, hidden_states=hidden.gather(
+            1, (index - 1)[..., None].expand(-1, -1, hidden.shape[-1])))
+        done.add_(counts)
+
+    commit([1, 1, 1])
+    drafter.propose(3, lambda logits: logits.argmax(-1))
+    commit([2, 1, 3])
+    commit([1, 2, 1])  # a plain step: no proposal in between
+    drafter.select(torch.tensor([2, 0]))
+    proposal = drafter.propose(3, lambda logits: logits.argmax(-1))
+    for i, row in enumerate([2, 0]):
+        n = int(done[row])
+        fresh = FeatureHeadDraft(target, head)
+        fresh.prefill(text[row:row + 1, :n - 1], torch.tensor([n - 1]), 64, hidden_states=hidden[row:row + 1, :n - 1])
+        fresh.commit(text[row:row + 1, n - 1:n], torch.tensor([1]), hidden_states=hidden[row:row + 1, n - 2:n - 1])
+        alone = fresh.propose(3, lambda logits: logits.argmax(-1))
+        assert torch.equal(proposal.token_ids[i], alone.token_ids[0])
+        torch.testing.assert_close(proposal.logits[i], alone.logits[0], rtol=1e-4, atol=1e-4)
