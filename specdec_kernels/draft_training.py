@@ -146,6 +146,13 @@ def _collate(sequences: list[_Sequence], index: list[int], vocab_index: torch.Te
                                            lengths)))
 
 
+def _vocab_index(head: FeatureHead, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] int64 on the CPU: each target id's index in the head's draft vocabulary, or -1."""
+    index = torch.full((vocab_size,), -1, dtype=torch.int64)
+    index[head.draft_vocab.cpu()] = torch.arange(len(head.draft_vocab))
+    return index
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [B, T, heads, D] (half-split, as `Llama`), ``sin`` carrying the sign."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
@@ -253,8 +260,7 @@ def evaluate(target: Llama, head: FeatureHead, sequences: list[_Sequence], unrol
     """Top-1 agreement with the target's argmax per draft position (1 .. unroll) over ``sequences``."""
     head = head.to(target.output.weight.device, torch.float32)
     trainer = _Trainer(target, head)
-    index = torch.full((target.vocab_size,), -1, dtype=torch.int64)
-    index[head.draft_vocab.cpu()] = torch.arange(len(head.draft_vocab))
+    index = _vocab_index(head, target.vocab_size)
     settings = TrainSettings(unroll=unroll)
     agree, count = [0.0] * unroll, [0] * unroll
     for batch_index in _batches(sequences, tokens_per_batch, 0, 0):
@@ -309,8 +315,7 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     trainer = _Trainer(target, head)
-    index = torch.full((target.vocab_size,), -1, dtype=torch.int64)
-    index[head.draft_vocab.cpu()] = torch.arange(len(head.draft_vocab))
+    index = _vocab_index(head, target.vocab_size)
 
     def save() -> None:
         tmp = checkpoint_path.with_suffix(".tmp")
