@@ -248,6 +248,7 @@ def _features(model, sequences: list[torch.Tensor], top_k: int, max_tokens_per_p
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's hidden states [N, H] (float16) and top-k logits ([N, k] ids, values) over the
     packed ``sequences``, in passes of similar lengths (little padding)."""
+    device = model.output.weight.device
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     hidden, ids, values = [None] * len(sequences), [None] * len(sequences), [None] * len(sequences)
     start = 0
@@ -262,11 +263,13 @@ def _features(model, sequences: list[torch.Tensor], top_k: int, max_tokens_per_p
         for b, s in enumerate(batch):
             ids_in[b, :len(s)] = s
         cache = model.new_cache(len(batch), width)
-        logits, states = model(ids_in, cache, lengths, return_hidden=True)
+        logits, states = model(ids_in.to(device), cache, lengths.to(device), return_hidden=True)
         top = logits.float().topk(top_k, dim=-1)
+        # Shards live on the host: one copy per pass, and a shard written on a GPU loads anywhere.
+        states, top_ids, top_values = states.half().cpu(), top.indices.cpu(), top.values.cpu()
         for b, i in enumerate(order[start:stop]):
             n = len(batch[b])
-            hidden[i], ids[i], values[i] = states[b, :n].half(), top.indices[b, :n], top.values[b, :n]
+            hidden[i], ids[i], values[i] = states[b, :n], top_ids[b, :n], top_values[b, :n]
         start = stop
     return torch.cat(hidden), torch.cat(ids), torch.cat(values)
 

@@ -630,3 +630,32 @@ def test_a_feature_head_on_cuda_keeps_greedy_tokens(adaptive):
                                max_new_tokens=24, temperature=0, adaptive=adaptive)
     assert_cpu_greedy_tokens(cpu_model, ids, mask, plain_cpu.tokens, out.tokens)
     assert out.stats.num_generated.tolist() == [24] * ids.shape[0]
+
+
+def test_draft_shards_written_on_cuda_hold_the_cpu_features_and_train_there(tmp_path):
+    """`write_shards` with the target on CUDA writes host tensors (a shard written on a GPU loads
+    anywhere) holding what the CPU target computes; `train_head` trains there."""
+    from test_demo import _CharTokenizer
+
+    from specdec_kernels import FeatureHead
+    from specdec_kernels.draft_data import Shard, write_shards
+    from specdec_kernels.draft_training import TrainSettings, load_sequences, train_head
+
+    cpu_model = tiny_llama(seed=0, scale=3.0, layers=3)
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    prompts = ["abc", "hello there", "list: a, b, c", "copy this"]
+    paths = write_shards(model, _CharTokenizer(), prompts, tmp_path, shard_size=2, max_new_tokens=6, batch_size=2,
+                         top_k=4)
+    shard = Shard.load(paths[0])
+    assert all(t.device.type == "cpu" for t in (shard.token_ids, shard.hidden, shard.top_ids, shard.top_logits))
+    first = shard.token_ids[: int(shard.lengths[0])]
+    with torch.no_grad():
+        logits, hidden = cpu_model(first[None], cpu_model.new_cache(1, len(first)), return_hidden=True)
+    assert relative_error(shard.hidden[: len(first)].float(), hidden[0]) < 1e-2
+    torch.testing.assert_close(shard.top_logits[: len(first), 0], logits[0].max(-1).values, rtol=1e-3, atol=1e-3)
+    settings = TrainSettings(steps=3, tokens_per_batch=32, warmup=1, unroll=2, draft_vocab_size=40,
+                             checkpoint_every=2)
+    head = train_head(model, load_sequences(paths), tmp_path / "run", settings, log=lambda _: None)
+    assert head.fc.weight.device.type == "cuda"
+    head.save(tmp_path / "head.pt")
+    assert FeatureHead.load(tmp_path / "head.pt").fc.weight.device.type == "cpu"
