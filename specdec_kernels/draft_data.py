@@ -326,7 +326,7 @@ def write_shards(model, tokenizer, prompts: list[str], folder: str | os.PathLike
     total = (len(prompts) + shard_size - 1) // shard_size
     if max_shards is not None:
         total = min(total, max_shards)
-    t_start, written = time.perf_counter(), 0
+    t_start, written, device = time.perf_counter(), 0, model.output.weight.device
     for index in range(total):
         path = shard_path(folder, index)
         if path.exists():
@@ -337,8 +337,9 @@ def write_shards(model, tokenizer, prompts: list[str], folder: str | os.PathLike
         for start in range(0, len(chats), batch_size):
             enc = tokenizer(chats[start:start + batch_size], return_tensors="pt", padding=True,
                             add_special_tokens=False)
-            out = generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new_tokens,
-                           temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed * 100_003 + index)
+            out = generate(model, enc.input_ids.to(device), enc.attention_mask.to(device),
+                           max_new_tokens=max_new_tokens, temperature=temperature,
+                           eos_token_id=tokenizer.eos_token_id, seed=seed * 100_003 + index)
             for b in range(len(out.sequences)):
                 prompt = enc.input_ids[b][enc.attention_mask[b].bool()]
                 sequences.append(torch.cat([prompt, torch.tensor(out.row_tokens(b), dtype=torch.int64)]))
