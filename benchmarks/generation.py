@@ -372,6 +372,18 @@ def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), br
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
+def _greedy_rows_note(out, plain, dtype: torch.dtype, name: str) -> str:
+    """Checks ``out`` against plain greedy decoding's tokens. In float32 every row must match (a
+    divergence is a bug); in float16 / bfloat16 a wider verify forward rounds differently and can
+    flip a near-tie, so the rows that match are reported (as a note for the table's last column)."""
+    same = sum(torch.equal(a, b) for a, b in zip(out.tokens, plain.tokens, strict=True))
+    if same == len(plain.tokens):
+        return ""
+    if dtype == torch.float32:
+        raise AssertionError(f"{name} gave other tokens than greedy generate")
+    return f" ({same}/{len(plain.tokens)} rows as plain)"
+
+
 def run_jacobi(setup: Setup, batch_size: int, max_new_tokens: int, window: int):
     """One greedy run of our plain generate (``window`` 0) or `jacobi_generate`."""
     from specdec_kernels import jacobi_generate
@@ -386,7 +398,8 @@ def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), r
                  device: str = "cpu", dtype: torch.dtype = torch.float32, random_weights: str | None = None) -> str:
     """`jacobi_generate` against our plain generate (greedy, same prompts, every method
     ``repeats`` times, interleaved): tokens per target forward and wall-clock speedup, medians;
-    a markdown table plus the machine line. Each run's tokens are checked against plain's."""
+    a markdown table plus the machine line. Each run's tokens are checked against plain's
+    (`_greedy_rows_note`)."""
     from benchmarks.timing import machine_line
 
     setup = load_setup(pack, device, dtype, random_weights)
@@ -396,9 +409,8 @@ def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), r
         plain_s, plain = median[0]
         for w in windows:
             seconds, out = median[w]
-            if not torch.equal(out.tokens, plain.tokens):
-                raise AssertionError(f"jacobi_generate(window={w}) gave other tokens than greedy generate")
-            lines.append(f"| {B} | {w} | {out.stats.tokens_per_target_forward:.3f} | {plain_s / seconds:.2f}x |")
+            note = _greedy_rows_note(out, plain, dtype, f"jacobi_generate(window={w})")
+            lines.append(f"| {B} | {w} | {out.stats.tokens_per_target_forward:.3f} | {plain_s / seconds:.2f}x{note} |")
     header = "| batch | window | tokens per target forward | vs plain |\n|---|---|---|---|"
     return (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
             f"{max_new_tokens} new tokens per row, median of {repeats} interleaved runs\n"
@@ -428,7 +440,7 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
     generate on the demo prompts (copy-heavy: code to rewrite, a list to copy, a sentence to
     repeat) and on open questions (`OPEN_PROMPTS`); greedy, every method ``repeats`` times,
     interleaved; tokens per target forward and wall-clock speedup, medians; each run's tokens
-    are checked against plain's. A markdown table plus the machine line."""
+    are checked against plain's (`_greedy_rows_note`). A markdown table plus the machine line."""
     from benchmarks.timing import machine_line
 
     setup = load_setup(pack, device, dtype, random_weights)
@@ -441,13 +453,12 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
             plain_s, plain = median[None]
             for m in methods[1:]:
                 seconds, out = median[m]
-                if not torch.equal(out.tokens, plain.tokens):
-                    raise AssertionError(f"lookahead_generate{m} gave other tokens than greedy generate")
+                note = _greedy_rows_note(out, plain, dtype, f"lookahead_generate{m}")
                 w, n, g, adaptive = m
                 verified = out.stats.num_proposed.sum() / out.stats.num_steps.sum()
                 lines.append(f"| {B} | {name} | {w}, {n}, {g} | {'adaptive' if adaptive else 'fixed'} | "
                              f"{out.stats.tokens_per_target_forward:.2f} | {verified:.1f} | "
-                             f"{plain_s / seconds:.2f}x |")
+                             f"{plain_s / seconds:.2f}x{note} |")
     header = ("| batch | prompts | W, N, G | steps | tokens per target forward | candidate tokens verified per step | "
               "vs plain |\n|---|---|---|---|---|---|---|")
     return (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
