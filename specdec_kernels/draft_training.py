@@ -362,14 +362,18 @@ HELD_OUT_SHARDS = 2  # held-out prompts answered for evaluation: 2 shards of 64
 def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str | os.PathLike | None = None,
                 out_dir: str | os.PathLike | None = None, stage: str = "all", max_minutes: float | None = None,
                 settings: TrainSettings | None = None, num_prompts: int | None = None,
-                device: str | None = None, log: Callable[[str], None] = print) -> Path | None:
+                device: str | None = None, prompts_file: str | os.PathLike | None = None,
+                data_batch_size: int = 32, log: Callable[[str], None] = print) -> Path | None:
     """The training recipe, in resumable pieces: answer prompts (``stage="data"``), train a head
     (``"train"``), or both (``"all"``); run it again to go on where the last piece stopped.
+    ``stage="prompts"`` only writes this machine's prompts to ``prompts_file``, for a GPU machine
+    to answer and train on.
 
-    Data: `build_prompts` on this machine; held-out shards first (``data_dir/held-out``, never
-    trained on), then training shards (``data_dir``). Training reads every training shard on
-    disk when the piece starts and checkpoints in ``out_dir``; when ``settings.steps`` are done it
-    writes ``out_dir/head.pt`` (float16) and logs the held-out top-1 agreement per draft position.
+    Data: `build_prompts` on this machine (or the lists in ``prompts_file``); held-out shards first
+    (``data_dir/held-out``, never trained on), then training shards (``data_dir``). Training reads
+    every training shard on disk when the piece starts and checkpoints in ``out_dir``; when
+    ``settings.steps`` are done it writes ``out_dir/head.pt`` (float16) and logs the held-out
+    top-1 agreement per draft position.
 
     Args:
         target: ``"smollm2"`` (SmolLM2-135M-Instruct, `load_smollm2`).
@@ -380,6 +384,10 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
         num_prompts: training prompts to answer and train on, rounded up to whole shards of 64
             (None: all `build_prompts` gives, and every shard on disk).
         device: ``"cpu"`` or ``"cuda"``; None: a GPU when present.
+        prompts_file: the prompt lists to answer (`load_prompts`; written by ``stage="prompts"``);
+            None: `build_prompts` on this machine.
+        data_batch_size: prompts answered together (recorded with the shards: a data folder keeps
+            one batch size).
 
     Returns:
         The path of the finished head, or None while training is unfinished.
@@ -388,6 +396,10 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
 
         train_draft(stage="data", max_minutes=60)   # answer prompts for an hour
         train_draft(stage="train", max_minutes=60)  # then train; repeat until it returns a path
+
+        # prompts from this machine, answered and trained on by a GPU machine
+        train_draft(stage="prompts", prompts_file="prompts.json.gz")
+        train_draft(prompts_file="prompts.json.gz", device="cuda", data_batch_size=64)  # there
     """
     from .pretrained import cache_dir, load_smollm2
 
@@ -395,8 +407,17 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
         raise ValueError(f"target must be 'smollm2', got {target!r}")
     if head != "feature":
         raise ValueError(f"head must be 'feature', got {head!r}")
-    if stage not in ("data", "train", "all"):
-        raise ValueError(f"stage must be 'data', 'train' or 'all', got {stage!r}")
+    if stage not in ("prompts", "data", "train", "all"):
+        raise ValueError(f"stage must be 'prompts', 'data', 'train' or 'all', got {stage!r}")
+    if stage == "prompts":
+        from .draft_data import build_prompts, save_prompts
+
+        if prompts_file is None:
+            raise ValueError("stage 'prompts' writes the prompts to prompts_file: pass one")
+        train, held_out = build_prompts()
+        save_prompts(prompts_file, train, held_out)
+        log(f"prompts: {len(train)} training and {len(held_out)} held-out prompts written to {prompts_file}")
+        return None
     settings = settings or TrainSettings()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = Path(data_dir) if data_dir is not None else cache_dir() / f"draft-data-{target}"
@@ -406,16 +427,17 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     max_shards = None if num_prompts is None else -(-num_prompts // 64)
     model, tokenizer = load_smollm2(device=device)
     if stage in ("data", "all"):
-        from .draft_data import build_prompts, write_shards
+        from .draft_data import build_prompts, load_prompts, write_shards
 
+        train, held_out = build_prompts() if prompts_file is None else load_prompts(prompts_file)
         if device == "cpu" and model.can_pack_weights():
             model.pack_weights()
-        train, held_out = build_prompts()
         progress = lambda done, total, seconds: log(f"data: shard {done}/{total}, {seconds:.0f} s per shard, "
                                                     f"ETA {(total - done) * seconds / 60:.0f} min")
         write_shards(model, tokenizer, held_out[:64 * HELD_OUT_SHARDS], data_dir / "held-out", max_seconds=left(),
-                     progress=progress)
-        write_shards(model, tokenizer, train, data_dir, max_shards=max_shards, max_seconds=left(), progress=progress)
+                     batch_size=data_batch_size, progress=progress)
+        write_shards(model, tokenizer, train, data_dir, max_shards=max_shards, max_seconds=left(),
+                     batch_size=data_batch_size, progress=progress)
         if device == "cpu" and model.can_pack_weights():
             model.pack_weights(False)
     if stage == "data" or (left() is not None and left() <= 0):

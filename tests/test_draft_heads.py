@@ -252,7 +252,38 @@ def test_held_out_prompts_are_never_training_prompts():
     assert all(is_held_out(p) for p in held_out) and not any(is_held_out(p) for p in train[:500])
 
 
+@pytest.mark.parametrize("name", ["prompts.json", "prompts.json.gz"])
+def test_prompt_files_round_trip_and_refuse_bad_files(tmp_path, name):
+    from specdec_kernels.draft_data import is_held_out, load_prompts, save_prompts
+
+    prompts = [f"Explain item {i}." for i in range(60)]
+    train = [p for p in prompts if not is_held_out(p)]
+    held_out = [p for p in prompts if is_held_out(p)]
+    assert held_out  # the split below is checked in both directions
+    save_prompts(tmp_path / name, train, held_out)
+    assert load_prompts(tmp_path / name) == (train, held_out)
+    save_prompts(tmp_path / name, train + held_out[:1], held_out[1:])
+    with pytest.raises(ValueError, match="split is not is_held_out's"):
+        load_prompts(tmp_path / name)
+    (tmp_path / name).write_bytes(b'{"train": []}')
+    with pytest.raises(ValueError, match=f"{name} is not a prompts file"):
+        load_prompts(tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="no prompts file"):
+        load_prompts(tmp_path / "missing.json")
+
+
+def test_train_draft_writes_this_machines_prompts_for_another(tmp_path, capsys):
+    from specdec_kernels.__main__ import main
+    from specdec_kernels.draft_data import build_prompts, load_prompts
+
+    assert main(["train-draft", "--stage", "prompts", "--prompts-file", str(tmp_path / "p.json.gz")]) == 0
+    assert load_prompts(tmp_path / "p.json.gz") == build_prompts()
+    assert "prompts written to" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--stage", "prompts"], "--stage prompts writes the prompts to --prompts-file"),
+    (["--data-batch-size", "0"], "--data-batch-size must be > 0"),
     (["--minutes", "0"], "--minutes must be > 0"),
     (["--steps", "-3"], "--steps must be > 0"),
     (["--prompts", "0"], "--prompts must be > 0"),
