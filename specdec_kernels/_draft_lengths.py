@@ -27,20 +27,13 @@ step's that ran a CUDA-graph shape eagerly or recorded it), then decode plainly 
 token count has been timed. A drafter that has proposed nothing in the first steps leaves no
 drafting to price: the policy then starts without, and its shares f keep asking rare.
 
-A run need not measure from nothing: `speculative_generate` hands each adaptive run the policy
-of the last one with the same target, drafter kind, batch size and K (`earlier_run`,
-`DraftLengths.start_from`), whose costs it keeps adapting and whose pooled acceptance is each
-row's prior, so repeated calls stop paying for the same probes.
-
 The estimates live on the host: what they need (accepted counts, draft counts, phase times)
 arrives in the loop's one transfer per step, so choosing adds no synchronization.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-import weakref
 
 from .cuda_graphs import GraphedForward
 
@@ -50,20 +43,22 @@ COST_DECAY = 0.95  # times, per step: ~20 steps averaged (the first step and out
 # (a text's first n-grams often match nothing yet: asking a few steps more is cheap).
 UNANSWERED_STEPS = 8
 OPTIMISM = 0.5  # standard deviations added to acceptance rates (`_optimistic`)
-# A later run's rows start from the earlier runs' pooled first-draft acceptance as if seen in
-# this many trials: enough to skip the probes that would learn it again, few enough to yield to
-# a new text within a few steps.
-PRIOR_TRIALS = 4
 
 
-def _optimistic(successes: float, trials: float, seen: float, optimism: float = OPTIMISM) -> float:
-    """A rate from forgotten counts (``successes`` of ``trials``), raised by ``optimism`` standard
-    deviations of an estimate from ``seen`` trials (the same, never forgotten): a rate seen
-    rarely (a draft position never reached, a row whose first few drafts failed) is priced as if
-    it might be good, so the policy tries it and learns instead of keeping the short drafts it
-    measured first; a rate seen often (a draft that keeps failing) is priced as measured."""
-    mean = (successes + 1) / (trials + 2)
-    return min(1.0, mean + optimism * (mean * (1 - mean) / (seen + 3)) ** 0.5)
+def _estimate(successes: float, trials: float) -> float:
+    """A rate from forgotten counts (``successes`` of ``trials``), with a uniform prior."""
+    return (successes + 1) / (trials + 2)
+
+
+def _optimistic(successes: float, trials: float, seen: float) -> float:
+    """`_estimate`, raised by `OPTIMISM` standard deviations of an estimate from ``seen`` trials
+    (the same trials, never forgotten; the uniform prior's posterior variance is m (1 - m) /
+    (seen + 3)): a rate seen rarely (a draft position never reached, a row whose first few drafts
+    failed) is priced as if it might be good, so the policy tries it and learns instead of keeping
+    the short drafts it measured first; a rate seen often (a draft that keeps failing) is priced
+    as measured."""
+    mean = _estimate(successes, trials)
+    return min(1.0, mean + OPTIMISM * (mean * (1 - mean) / (seen + 3)) ** 0.5)
 
 
 class _DecayedLine:
@@ -131,26 +126,6 @@ class DraftLengths:
         self.overhead = None  # seconds per step outside verification and drafting
         self.steps_seen = 0  # steps timed
         self.timed_drafts = False  # whether a verification with drafts was timed
-
-    def start_from(self, earlier: DraftLengths | None) -> None:
-        """Begin where an earlier run with the same target, drafter kind, batch size and K left
-        off: its costs (so no steps are spent timing them again, and they keep adapting), its
-        pooled per-position acceptance, and its rows' pooled first-draft acceptance and share
-        as each row's prior, weighted as `PRIOR_TRIALS` trials (a new text soon outweighs it)."""
-        if earlier is None or not self.adaptive or earlier.K != self.K:
-            return
-        for name in ("verify", "verify_at", "draft_seconds", "draft_tokens", "overhead", "steps_seen",
-                     "timed_drafts", "reached", "passed", "reached_seen", "realized", "forecast"):
-            setattr(self, name, copy.deepcopy(getattr(earlier, name)))
-        drafts, asked = sum(earlier.first_drafts), sum(earlier.asked)
-        weight, share_weight = min(PRIOR_TRIALS, drafts), min(PRIOR_TRIALS, asked)
-        first = sum(earlier.first_accepted) / drafts if drafts else 0.0
-        share = sum(earlier.got) / asked if asked else 0.0
-        seen = min(PRIOR_TRIALS, sum(earlier.first_seen))
-        rows = range(len(self.first_drafts))
-        self.first_drafts, self.first_accepted = [weight for _ in rows], [first * weight for _ in rows]
-        self.first_seen = [seen for _ in rows]
-        self.asked, self.got = [share_weight for _ in rows], [share * share_weight for _ in rows]
 
     def choose(self, rows: list[int], generated: dict[int, int]) -> list[int]:
         """Draft lengths (0 .. K) for the batch's ``rows``, in order. ``generated``: each row's
@@ -242,14 +217,14 @@ class DraftLengths:
         # calibration compares with what was realized) and priced optimistically (the choice).
         run, hopeful_run = [1.0], [1.0]
         for j in range(2, K + 1):
-            run.append(run[-1] * _optimistic(self.passed[j], self.reached[j], self.reached_seen[j], 0.0))
+            run.append(run[-1] * _estimate(self.passed[j], self.reached[j]))
             hopeful_run.append(hopeful_run[-1] * _optimistic(self.passed[j], self.reached[j], self.reached_seen[j]))
         gains, shares = [], []  # G_b(k) for k = 0 .. K (corrected by the realized share), and f_b
         self.forecasts = {}
         calibration = (self.realized + 2) / (self.forecast + 2)
         for r in rows:
             f = (self.got[r] + 1) / (self.asked[r] + 1)
-            a = _optimistic(self.first_accepted[r], self.first_drafts[r], self.first_seen[r], 0.0)
+            a = _estimate(self.first_accepted[r], self.first_drafts[r])
             hopeful_a = _optimistic(self.first_accepted[r], self.first_drafts[r], self.first_seen[r])
             self.forecasts[r] = [f * a * sum(run[:k]) for k in range(K + 1)]
             gains.append([calibration * f * hopeful_a * sum(hopeful_run[:k]) for k in range(K + 1)])
@@ -322,24 +297,3 @@ class DraftLengths:
         self.verify_at[verify_tokens] = (COST_DECAY * seconds + verify_s, COST_DECAY * weight + 1)
         rest = max(0.0, step_s - verify_s - draft_s)
         self.overhead = rest if self.overhead is None else COST_DECAY * self.overhead + (1 - COST_DECAY) * rest
-
-
-# What adaptive runs measured, per target: ``{(drafter kind, batch size, K, device): DraftLengths}``.
-_EARLIER_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def earlier_run(target: object, key: tuple) -> DraftLengths | None:
-    """The policy of the last adaptive run with this ``target`` and ``key`` (None: none, or a
-    target that cannot be weakly referenced)."""
-    try:
-        return _EARLIER_RUNS.get(target, {}).get(key)
-    except TypeError:
-        return None
-
-
-def remember_run(target: object, key: tuple, lengths: DraftLengths) -> None:
-    """Keep ``lengths`` for the next run with this ``target`` and ``key`` (`DraftLengths.start_from`)."""
-    try:
-        _EARLIER_RUNS.setdefault(target, {})[key] = lengths
-    except TypeError:
-        pass  # not weakly referenceable: every run measures afresh

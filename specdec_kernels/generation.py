@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import is_int, is_real
-from ._draft_lengths import DraftLengths, earlier_run, remember_run
+from ._draft_lengths import DraftLengths
 from ._model_calls import (
     _accepts,
     _check_model,
@@ -517,9 +517,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             ``max_new_tokens - 1`` are: drafts past the budget could never be kept).
         adaptive: choose each row's draft length (0 .. K) every step from the acceptance and the
             draft and verify costs measured in this run (`specdec_kernels._draft_lengths`); a step
-            where no draft pays for its verification decodes plainly. A later call with the same
-            target, drafter kind, batch size and K starts from the costs and pooled acceptance the
-            last one measured instead of probing for them again. False: K every step.
+            where no draft pays for its verification decodes plainly. False: K every step.
         seed: as in `generate`, with one limit: the same seed repeats sampled tokens only with the
             same draft lengths, so use ``adaptive=False`` for runs repeatable token for token
             (adaptive lengths follow this run's timings; every run follows the target's
@@ -540,7 +538,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         print(out.stats.acceptance_rate, out.stats.mean_draft_length)
     """
     _check_speculation_options(num_draft_tokens, adaptive)
-    owner, target = target, as_protocol_model(target)
+    target = as_protocol_model(target)
     _check_model(target, "target")
     drafter = _as_drafter(draft, target, cuda_graphs)
     t_start = time.perf_counter()
@@ -552,8 +550,6 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device, K), _Outputs(B, request.max_new_tokens, device)
     stream, lengths = _Stream(streamer, B), DraftLengths(K, request.max_new_tokens, B, adaptive)
-    runs_like_this = (type(drafter).__qualname__, B, K, str(device))  # what earlier runs measured applies here
-    lengths.start_from(earlier_run(owner, runs_like_this))
     rows, host_rows = torch.arange(B, device=device), list(range(B))
     cache = _new_cache(target, "target", B, request.max_len, device)
     check = _LogitsCheck(device, ("target model", "draft model", "drafter"))
@@ -630,8 +626,6 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             stats.num_accepted[rows] += accepted
             asked = lengths.choose(host_rows, generated)
     stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
-    if adaptive:
-        remember_run(owner, runs_like_this, lengths)
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
 

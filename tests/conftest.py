@@ -49,14 +49,3 @@ def pytest_generate_tests(metafunc):
 def _nan_poisoned_empty():
     with poison_empty():
         yield
-
-
-@pytest.fixture(autouse=True)
-def _adaptive_runs_measure_afresh():
-    """Each test's adaptive runs start from nothing: a later `speculative_generate` call starts from
-    what the last one like it measured, which would make a test's outcome depend on the tests
-    before it."""
-    from specdec_kernels._draft_lengths import _EARLIER_RUNS
-
-    _EARLIER_RUNS.clear()
-    yield

@@ -324,61 +324,10 @@ def test_a_good_draft_whose_first_drafts_failed_is_soon_used_at_full_length(seed
     assert [4] in chosen[:12], chosen
 
 
-def test_a_later_run_starts_from_what_an_earlier_one_measured():
-    """Costs carry over (no steps spent timing them again: the first choice is the policy's, not
-    the one-token probe), and each row starts from the earlier rows' pooled acceptance."""
-    earlier = DraftLengths(4, 10**6, 2, adaptive=True)
-    simulate(earlier, [0, 1], 60, accept=lambda r, k: k if r == 0 else 0, verify_s=lambda n: 0.030 + 0.0005 * n,
-             draft_s=lambda w: 0.001 * w)
-    fresh = DraftLengths(4, 10**6, 3, adaptive=True)
-    assert fresh.choose([0, 1, 2], {}) == [1, 1, 1]  # nothing measured: one-token probes
-    later = DraftLengths(4, 10**6, 3, adaptive=True)
-    later.start_from(earlier)
-    assert later._ready() and later.verify_at == earlier.verify_at
-    pooled = sum(earlier.first_accepted) / sum(earlier.first_drafts)
-    assert 0.3 < pooled < 0.7  # row 0 always accepted, row 1 never
-    assert all(abs(acc / n - pooled) < 1e-9 for acc, n in zip(later.first_accepted, later.first_drafts, strict=True))
-    assert later.choose([0, 1, 2], {}) == [4, 4, 4]  # cheap verification, half the first drafts accepted
-    later.start_from(DraftLengths(2, 10**6, 3, adaptive=True))  # another K: nothing to start from
-    assert later.verify_at == earlier.verify_at
-
-
-def test_speculative_runs_start_from_the_last_run_like_them(target, monkeypatch):
-    """The loop hands each adaptive run the policy of the last adaptive run with the same target,
-    drafter kind, batch size and K, and nothing to a run unlike it; tokens stay greedy generate's."""
-    from specdec_kernels._draft_lengths import DraftLengths as Policy
-
-    started = []  # (the earlier policy handed over, the run's own)
-    real = Policy.start_from
-    monkeypatch.setattr(Policy, "start_from", lambda self, earlier: (started.append((earlier, self)),
-                                                                      real(self, earlier)))
-    model = tiny_llama(seed=0, scale=3.0, layers=2)
-    ids, mask = ragged_prompts(B=3, seed=4)
-    plain = generate(model, ids, mask, max_new_tokens=16, temperature=0)
-    run = lambda ids, mask, **options: speculative_generate(model, PromptLookupDraft(), ids, mask,  # noqa: E731
-                                                            max_new_tokens=16, temperature=0, **options)
-    for _ in range(2):
-        assert torch.equal(run(ids, mask).tokens, plain.tokens)
-    run(ids[:2], mask[:2])  # another batch size
-    run(ids, mask, adaptive=False)  # fixed lengths: not remembered
-    run(ids, mask)
-    run(ids, mask, num_draft_tokens=3)  # another K
-    assert started[0][0] is None and started[1][0] is started[0][1]
-    assert started[2][0] is None
-    assert started[4][0] is started[1][1]
-    assert started[5][0] is None
-
-
-def test_sampling_with_adaptive_lengths_keeps_the_target_distribution(target, monkeypatch):
+def test_sampling_with_adaptive_lengths_keeps_the_target_distribution(target):
     """Chi-square of the second and third generated tokens over many seeds: adaptive speculation
     with a model draft (its first two steps draft) samples what plain generation samples."""
     from scipy.stats import chi2_contingency
-
-    import specdec_kernels.generation
-
-    # Every run measures afresh, so its first steps draft (a run started from an earlier one's
-    # measurements would find this draft not worth it and decode plainly).
-    monkeypatch.setattr(specdec_kernels.generation, "earlier_run", lambda target, key: None)
 
     ids = torch.tensor([[5, 17, 33]])
     n = 400
