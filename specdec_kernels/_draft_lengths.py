@@ -18,10 +18,7 @@ Every estimate is forgotten exponentially, step by step (acceptance slowly, `DEC
 fast, `COST_DECAY`, so that a slow start or a change of load soon stops counting), so it
 follows the text as it changes; a row whose drafts kept failing also drifts back to the prior
 (rates of 1/2) and is probed again with one draft token, after enough plain steps that the
-probes cost little. Each rate is priced half a standard deviation above its estimate, from the
-trials it was ever seen in (`_optimistic`): draft positions rarely reached and rows whose first
-few drafts failed get tried again soon, while a draft that keeps failing stays priced low.
-Before costs are measured, steps draft one token per row until a drafting
+probes cost little. Before costs are measured, steps draft one token per row until a drafting
 step has been timed (the first step's times are not used: it pays one-time costs; nor are a
 step's that ran a CUDA-graph shape eagerly or recorded it), then decode plainly until a second
 token count has been timed. A drafter that has proposed nothing in the first steps leaves no
@@ -42,23 +39,6 @@ COST_DECAY = 0.95  # times, per step: ~20 steps averaged (the first step and out
 # Timed steps a drafter may answer with nothing before the policy starts without drafting costs
 # (a text's first n-grams often match nothing yet: asking a few steps more is cheap).
 UNANSWERED_STEPS = 8
-OPTIMISM = 0.5  # standard deviations added to acceptance rates (`_optimistic`)
-
-
-def _estimate(successes: float, trials: float) -> float:
-    """A rate from forgotten counts (``successes`` of ``trials``), with a uniform prior."""
-    return (successes + 1) / (trials + 2)
-
-
-def _optimistic(successes: float, trials: float, seen: float) -> float:
-    """`_estimate`, raised by `OPTIMISM` standard deviations of an estimate from ``seen`` trials
-    (the same trials, never forgotten; the uniform prior's posterior variance is m (1 - m) /
-    (seen + 3)): a rate seen rarely (a draft position never reached, a row whose first few drafts
-    failed) is priced as if it might be good, so the policy tries it and learns instead of keeping
-    the short drafts it measured first; a rate seen often (a draft that keeps failing) is priced
-    as measured."""
-    mean = _estimate(successes, trials)
-    return min(1.0, mean + OPTIMISM * (mean * (1 - mean) / (seen + 3)) ** 0.5)
 
 
 class _DecayedLine:
@@ -111,8 +91,6 @@ class DraftLengths:
         self.first_drafts, self.first_accepted = [0.0] * batch_size, [0.0] * batch_size
         self.asked, self.got = [0.0] * batch_size, [0.0] * batch_size
         self.reached, self.passed = [0.0] * (max_tokens + 1), [0.0] * (max_tokens + 1)
-        # The same trials never forgotten: how well each rate is known (`_optimistic`).
-        self.first_seen, self.reached_seen = [0] * batch_size, [0] * (max_tokens + 1)
         # Forgotten sums of the drafts accepted and of what the estimates above forecast for
         # them: their ratio corrects the forecasts (priors and lagging estimates run optimistic).
         self.realized = self.forecast = 0.0
@@ -213,21 +191,20 @@ class DraftLengths:
 
     def _best(self, rows: list[int]) -> list[int]:
         K, b = self.K, len(rows)
-        # P(drafts 2 .. j accepted | draft 1 accepted), j = 1 .. K: as estimated (the forecasts the
-        # calibration compares with what was realized) and priced optimistically (the choice).
-        run, hopeful_run = [1.0], [1.0]
+        run = [1.0]  # P(drafts 2 .. j accepted | draft 1 accepted), j = 1 .. K
         for j in range(2, K + 1):
-            run.append(run[-1] * _estimate(self.passed[j], self.reached[j]))
-            hopeful_run.append(hopeful_run[-1] * _optimistic(self.passed[j], self.reached[j], self.reached_seen[j]))
+            run.append(run[-1] * (self.passed[j] + 1) / (self.reached[j] + 2))
         gains, shares = [], []  # G_b(k) for k = 0 .. K (corrected by the realized share), and f_b
         self.forecasts = {}
         calibration = (self.realized + 2) / (self.forecast + 2)
         for r in rows:
+            a = (self.first_accepted[r] + 1) / (self.first_drafts[r] + 2)
             f = (self.got[r] + 1) / (self.asked[r] + 1)
-            a = _estimate(self.first_accepted[r], self.first_drafts[r])
-            hopeful_a = _optimistic(self.first_accepted[r], self.first_drafts[r], self.first_seen[r])
-            self.forecasts[r] = [f * a * sum(run[:k]) for k in range(K + 1)]
-            gains.append([calibration * f * hopeful_a * sum(hopeful_run[:k]) for k in range(K + 1)])
+            gain = [0.0]
+            for j in range(1, K + 1):
+                gain.append(gain[-1] + f * a * run[j - 1])
+            self.forecasts[r] = gain
+            gains.append([calibration * g for g in gain])
             shares.append(f)
         v1 = self._verify_line()[1]
         rate, best = b / self._predicted(b, 0), [0] * b  # plain decoding
@@ -272,11 +249,9 @@ class DraftLengths:
             self.asked[r] += k
             self.got[r] += p
             self.first_drafts[r] += p > 0
-            self.first_seen[r] += p > 0
             self.first_accepted[r] += m > 0
             for j in range(2, min(p, m + 1) + 1):  # drafts 2 .. p whose predecessor was accepted
                 self.reached[j] += 1
-                self.reached_seen[j] += 1
                 self.passed[j] += m >= j
         # A step that took far longer than its prediction was preempted or met a new shape, and
         # the first verification pays one-time costs (allocations, kernel choices): they do not

@@ -303,27 +303,6 @@ def test_a_good_draft_is_used_at_full_length():
     assert sum(lengths == [4, 4] for lengths in chosen[10:]) >= 0.9 * len(chosen[10:])
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_a_good_draft_whose_first_drafts_failed_is_soon_used_at_full_length(seed):
-    """First drafts accepted 60% of the time, then 90% per position, but the first four drafting
-    steps fail by chance: the rates seen rarely are priced optimistically, so the policy drafts
-    K within a few steps instead of keeping short drafts until the bad start is forgotten."""
-    draws = iter(torch.rand(10_000, generator=torch.Generator().manual_seed(seed)).tolist())
-    drafting_steps = 0
-
-    def accept(row, k):
-        nonlocal drafting_steps
-        drafting_steps += k > 0
-        n = 0
-        while drafting_steps > 4 and n < k and next(draws) < (0.6 if n == 0 else 0.9):
-            n += 1
-        return n
-
-    policy = DraftLengths(4, 10**6, 1, adaptive=True)
-    chosen = simulate(policy, [0], 40, accept, verify_s=lambda n: 0.030 + 0.0006 * n, draft_s=lambda w: 0.0027 * w)
-    assert [4] in chosen[:12], chosen
-
-
 def test_sampling_with_adaptive_lengths_keeps_the_target_distribution(target):
     """Chi-square of the second and third generated tokens over many seeds: adaptive speculation
     with a model draft (its first two steps draft) samples what plain generation samples."""
