@@ -430,8 +430,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     train.add_argument("--prompts", type=int, default=None,
                        help="training prompts to answer and train on, rounded up to shards of 64 (default: all)")
     train.add_argument("--prompts-file", default=None, metavar="F",
-                       help="answer the prompts in F (written by --stage prompts, e.g. on another machine) "
-                            "(default: build them from text on this machine)")
+                       help="the data stage answers the prompts in F (written by --stage prompts, e.g. on "
+                            "another machine) (default: build them from text on this machine)")
     train.add_argument("--data-batch-size", type=int, default=32, metavar="B",
                        help="prompts answered together; recorded with the data (default: %(default)s)")
     train.add_argument("--data-dir", default=None, help="(default: <cache>/draft-data-<target>)")

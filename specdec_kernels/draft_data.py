@@ -194,8 +194,9 @@ def build_prompts(seed: int = 0) -> tuple[list[str], list[str]]:
 
 def save_prompts(path: str | os.PathLike, train: list[str], held_out: list[str]) -> None:
     """Write prompt lists (`build_prompts`) to ``path`` (JSON, gzip-compressed when the name ends
-    in ``.gz``), atomically, so another machine (a GPU machine without this one's documentation)
-    answers and trains on the same prompts (`load_prompts`)."""
+    in ``.gz``), atomically, so that another machine, which lacks the local documentation and
+    packages `build_prompts` reads (a GPU machine, say), answers and trains on the same prompts
+    (`load_prompts`)."""
     path = Path(path)
     data = json.dumps({"format": "specdec_kernels prompts 1", "train": train, "held_out": held_out}).encode()
     tmp = path.with_name(path.name + ".tmp")
@@ -215,8 +216,9 @@ def load_prompts(path: str | os.PathLike) -> tuple[list[str], list[str]]:
         if data.get("format") != "specdec_kernels prompts 1":
             raise ValueError(f"format {data.get('format')!r}")
         train, held_out = data["train"], data["held_out"]
-        if not all(isinstance(p, str) for p in train + held_out):
-            raise ValueError("prompts must be strings")
+        if not (isinstance(train, list) and isinstance(held_out, list)
+                and all(isinstance(p, str) for p in train + held_out)):
+            raise ValueError("train and held_out must be lists of strings")
     except Exception as e:
         raise ValueError(f"{path} is not a prompts file ({type(e).__name__}: {e}); write it with "
                          "train-draft --stage prompts") from e
@@ -281,7 +283,8 @@ def _chat(tokenizer, prompt: str) -> str:
 def _features(model, sequences: list[torch.Tensor], top_k: int, max_tokens_per_pass: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's hidden states [N, H] (float16) and top-k logits ([N, k] ids, values) over the
-    packed ``sequences``, in passes of similar lengths (little padding)."""
+    packed ``sequences``, in passes of similar lengths (little padding), on the host whatever the
+    target's device (the inputs go to the target's device)."""
     device = model.output.weight.device
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     hidden, ids, values = [None] * len(sequences), [None] * len(sequences), [None] * len(sequences)

@@ -425,11 +425,14 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     deadline = None if max_minutes is None else time.perf_counter() + 60 * max_minutes
     left = lambda: None if deadline is None else max(0.0, deadline - time.perf_counter())
     max_shards = None if num_prompts is None else -(-num_prompts // 64)
-    model, tokenizer = load_smollm2(device=device)
-    if stage in ("data", "all"):
-        from .draft_data import build_prompts, load_prompts, write_shards
+    if stage in ("data", "all"):  # a bad prompts file is named before the model loads
+        from .draft_data import build_prompts, load_prompts
 
         train, held_out = build_prompts() if prompts_file is None else load_prompts(prompts_file)
+    model, tokenizer = load_smollm2(device=device)
+    if stage in ("data", "all"):
+        from .draft_data import write_shards
+
         if device == "cpu" and model.can_pack_weights():
             model.pack_weights()
         progress = lambda done, total, seconds: log(f"data: shard {done}/{total}, {seconds:.0f} s per shard, "

@@ -262,8 +262,12 @@ def test_prompt_files_round_trip_and_refuse_bad_files(tmp_path, name):
     assert held_out  # the split below is checked in both directions
     save_prompts(tmp_path / name, train, held_out)
     assert load_prompts(tmp_path / name) == (train, held_out)
-    save_prompts(tmp_path / name, train + held_out[:1], held_out[1:])
-    with pytest.raises(ValueError, match="split is not is_held_out's"):
+    for moved in ((train + held_out[:1], held_out[1:]), (train[1:], held_out + train[:1])):
+        save_prompts(tmp_path / name, *moved)
+        with pytest.raises(ValueError, match="split is not is_held_out's"):
+            load_prompts(tmp_path / name)
+    (tmp_path / name).write_text('{"format": "specdec_kernels prompts 1", "train": "abc", "held_out": []}')
+    with pytest.raises(ValueError, match="lists of strings"):
         load_prompts(tmp_path / name)
     (tmp_path / name).write_bytes(b'{"train": []}')
     with pytest.raises(ValueError, match=f"{name} is not a prompts file"):
