@@ -504,8 +504,9 @@ def run_head(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int, 
 def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
                 head: str | None = None) -> str:
     """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``) and
-    prompt lookup against our plain generate on held-out prompts (`held_out_prompts`), greedy at
-    each batch size and sampled (temperature 0.7) at batch 1; fixed K and adaptive; every method
+    prompt lookup against our plain generate on held-out prompts (`held_out_prompts`; a batch of b
+    rows answers the first b, so batch 1 is one prompt), greedy at each batch size and sampled
+    (temperature 0.7) at batch 1; fixed K and adaptive; every method
     ``repeats`` times, interleaved. Columns: speedup (medians), acceptance per drafted token,
     tokens per target forward, the measured c and v, Leviathan's prediction and the efficiency
     (as in `table`, for fixed K), the mean draft length. A markdown table plus the machine line."""
@@ -541,7 +542,7 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
               "predicted (fixed K) | efficiency (fixed K) | mean draft length |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|")
     return (f"SmolLM2-135M-Instruct float32 on cpu, {max_new_tokens} new tokens per row, K = {k}, "
-            f"{len(prompts)} held-out prompts, median of {repeats} interleaved runs\n"
+            f"held-out prompts (batch b: the first b of {len(prompts)}), median of {repeats} interleaved runs\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
