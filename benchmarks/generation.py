@@ -28,6 +28,7 @@ import copy
 import functools
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -228,7 +229,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
                 st = out.stats
                 a = st.acceptance_rate
                 v = st.time_target_s / (st.target_forwards - 1) / target_step
-                c = st.time_draft_s / (int(st.num_steps.max()) * k) / target_step
+                c = st.time_draft_s / (_row_steps(st) * k) / target_step
                 decode_speedup = decode_tokens_per_second(st) / plain_decode_tps
                 eff = f"{decode_speedup / predicted_speedup(a, k, c, v):.2f}"
                 accept = f"{a:.1%}"
@@ -250,7 +251,7 @@ def leviathan(st, k: int, plain) -> tuple[float, float]:
     stats ``plain``, from their phase timers (see the module docstring)."""
     target_step = plain.time_target_s / (plain.target_forwards - 1)
     v = st.time_target_s / (st.target_forwards - 1) / target_step
-    c = st.time_draft_s / (int(st.num_steps.max()) * k) / target_step
+    c = st.time_draft_s / (_row_steps(st) * k) / target_step
     predicted = predicted_speedup(st.acceptance_rate, k, c, v)
     return predicted, decode_tokens_per_second(st) / decode_tokens_per_second(plain) / predicted
 
@@ -492,20 +493,50 @@ def held_out_prompts(count: int = 8) -> tuple[str, ...]:
 
 def run_head(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int, adaptive: bool,
              prompts: tuple[str, ...], temperature: float = 0.0):
-    """One run of plain generate (``draft`` None) or speculative_generate with ``draft`` (a
-    drafter) on ``prompts``, greedy or sampled (seeded)."""
-    ids, mask = encode(setup, batch_size, prompts)
-    if draft is None:
-        return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
-    return speculative_generate(setup.model, draft, ids, mask, num_draft_tokens=k, adaptive=adaptive, seed=0,
-                                max_new_tokens=max_new_tokens, temperature=temperature)
+    """Plain generate (``draft`` None) or speculative_generate with ``draft`` (a drafter), greedy
+    or sampled (seeded): at batch 1 on every prompt in turn (`_one_at_a_time`), else one batch of
+    the first ``batch_size`` prompts."""
+    def run(ids, mask):
+        if draft is None:
+            return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
+        return speculative_generate(setup.model, draft, ids, mask, num_draft_tokens=k, adaptive=adaptive, seed=0,
+                                    max_new_tokens=max_new_tokens, temperature=temperature)
+
+    if batch_size == 1:
+        return _one_at_a_time([run(*encode(setup, 1, (prompt,))) for prompt in prompts])
+    return run(*encode(setup, batch_size, prompts))
+
+
+def _one_at_a_time(outputs: list) -> SimpleNamespace:
+    """Batch-1 runs as one output: ``tokens`` stacked (as one row each), per-row stats
+    concatenated, counts and times summed, ``target_forwards`` counting one prefill as a batched
+    run does, and ``one_at_a_time`` set (the rows ran one after another: `_row_steps`)."""
+    stats = [out.stats for out in outputs]
+    merged = copy.copy(stats[0])
+    for name in ("num_generated", "num_steps", "num_proposed", "num_accepted", "draft_lengths"):
+        setattr(merged, name, torch.cat([getattr(st, name) for st in stats]))
+    for name in ("draft_calls", "time_prefill_s", "time_draft_prefill_s", "time_target_s", "time_draft_s",
+                 "time_sampler_s", "time_total_s"):
+        setattr(merged, name, sum(getattr(st, name) for st in stats))
+    merged.target_forwards = sum(st.target_forwards for st in stats) - (len(stats) - 1)
+    merged.one_at_a_time = True
+    width = max(out.tokens.shape[1] for out in outputs)
+    tokens = torch.cat([torch.nn.functional.pad(out.tokens, (0, width - out.tokens.shape[1]), value=-1)
+                        for out in outputs])
+    return SimpleNamespace(tokens=tokens, stats=merged)
+
+
+def _row_steps(stats) -> int:
+    """Decoding steps the run took: a batch steps its rows together (its longest row's count);
+    runs one at a time (`_one_at_a_time`) add theirs."""
+    return int(stats.num_steps.sum() if getattr(stats, "one_at_a_time", False) else stats.num_steps.max())
 
 
 def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
                 head: str | None = None) -> str:
     """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``) and
-    prompt lookup against our plain generate on held-out prompts (`held_out_prompts`; a batch of b
-    rows answers the first b, so batch 1 is one prompt), greedy at each batch size and sampled
+    prompt lookup against our plain generate on held-out prompts (`held_out_prompts`; batch 1
+    answers each in turn, a batch of b rows the first b), greedy at each batch size and sampled
     (temperature 0.7) at batch 1; fixed K and adaptive; every method
     ``repeats`` times, interleaved. Columns: speedup (medians), acceptance per drafted token,
     tokens per target forward, the measured c and v, Leviathan's prediction and the efficiency
@@ -532,7 +563,8 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
             st = out.stats
             target_step = plain.stats.time_target_s / (plain.stats.target_forwards - 1)
             v = st.time_target_s / (st.target_forwards - 1) / target_step
-            c = st.time_draft_s / max(1, int(st.num_proposed.max())) / target_step
+            proposed = st.num_proposed.sum() if getattr(st, "one_at_a_time", False) else st.num_proposed.max()
+            c = st.time_draft_s / max(1, int(proposed)) / target_step
             predicted, efficiency = leviathan(st, k, plain.stats) if not adaptive else (None, None)
             lines.append(f"| {B} | {temperature:g} | {name} | {'adaptive' if adaptive else 'fixed'} | "
                          f"{plain_s / seconds:.2f}x | {st.acceptance_rate:.1%} | {st.tokens_per_target_forward:.2f} | "
@@ -542,7 +574,7 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
               "predicted (fixed K) | efficiency (fixed K) | mean draft length |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|")
     return (f"SmolLM2-135M-Instruct float32 on cpu, {max_new_tokens} new tokens per row, K = {k}, "
-            f"held-out prompts (batch b: the first b of {len(prompts)}), median of {repeats} interleaved runs\n"
+            f"{len(prompts)} held-out prompts (batch 1: one at a time), median of {repeats} interleaved runs\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
