@@ -229,7 +229,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
                 st = out.stats
                 a = st.acceptance_rate
                 v = st.time_target_s / (st.target_forwards - 1) / target_step
-                c = st.time_draft_s / (_row_steps(st) * k) / target_step
+                c = st.time_draft_s / (_run_total(st, st.num_steps) * k) / target_step
                 decode_speedup = decode_tokens_per_second(st) / plain_decode_tps
                 eff = f"{decode_speedup / predicted_speedup(a, k, c, v):.2f}"
                 accept = f"{a:.1%}"
@@ -251,7 +251,7 @@ def leviathan(st, k: int, plain) -> tuple[float, float]:
     stats ``plain``, from their phase timers (see the module docstring)."""
     target_step = plain.time_target_s / (plain.target_forwards - 1)
     v = st.time_target_s / (st.target_forwards - 1) / target_step
-    c = st.time_draft_s / (_row_steps(st) * k) / target_step
+    c = st.time_draft_s / (_run_total(st, st.num_steps) * k) / target_step
     predicted = predicted_speedup(st.acceptance_rate, k, c, v)
     return predicted, decode_tokens_per_second(st) / decode_tokens_per_second(plain) / predicted
 
@@ -510,7 +510,7 @@ def run_head(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int, 
 def _one_at_a_time(outputs: list) -> SimpleNamespace:
     """Batch-1 runs as one output: ``tokens`` stacked (as one row each), per-row stats
     concatenated, counts and times summed, ``target_forwards`` counting one prefill as a batched
-    run does, and ``one_at_a_time`` set (the rows ran one after another: `_row_steps`)."""
+    run does, and ``one_at_a_time`` set (the rows ran one after another: `_run_total`)."""
     stats = [out.stats for out in outputs]
     merged = copy.copy(stats[0])
     for name in ("num_generated", "num_steps", "num_proposed", "num_accepted", "draft_lengths"):
@@ -526,10 +526,10 @@ def _one_at_a_time(outputs: list) -> SimpleNamespace:
     return SimpleNamespace(tokens=tokens, stats=merged)
 
 
-def _row_steps(stats) -> int:
-    """Decoding steps the run took: a batch steps its rows together (its longest row's count);
-    runs one at a time (`_one_at_a_time`) add theirs."""
-    return int(stats.num_steps.sum() if getattr(stats, "one_at_a_time", False) else stats.num_steps.max())
+def _run_total(stats, per_row: torch.Tensor) -> int:
+    """What the run did of a per-row count (steps, drafted tokens): a batch does its rows' together
+    (the longest row's count); runs one at a time (`_one_at_a_time`) add theirs."""
+    return int(per_row.sum() if getattr(stats, "one_at_a_time", False) else per_row.max())
 
 
 def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
@@ -563,8 +563,7 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
             st = out.stats
             target_step = plain.stats.time_target_s / (plain.stats.target_forwards - 1)
             v = st.time_target_s / (st.target_forwards - 1) / target_step
-            proposed = st.num_proposed.sum() if getattr(st, "one_at_a_time", False) else st.num_proposed.max()
-            c = st.time_draft_s / max(1, int(proposed)) / target_step
+            c = st.time_draft_s / max(1, _run_total(st, st.num_proposed)) / target_step
             predicted, efficiency = leviathan(st, k, plain.stats) if not adaptive else (None, None)
             lines.append(f"| {B} | {temperature:g} | {name} | {'adaptive' if adaptive else 'fixed'} | "
                          f"{plain_s / seconds:.2f}x | {st.acceptance_rate:.1%} | {st.tokens_per_target_forward:.2f} | "

@@ -401,6 +401,7 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
         train_draft(stage="prompts", prompts_file="prompts.json.gz")
         train_draft(prompts_file="prompts.json.gz", device="cuda", data_batch_size=64)  # there
     """
+    from .draft_data import build_prompts, load_prompts, save_prompts, write_shards
     from .pretrained import cache_dir, load_smollm2
 
     if target != "smollm2":
@@ -410,8 +411,6 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     if stage not in ("prompts", "data", "train", "all"):
         raise ValueError(f"stage must be 'prompts', 'data', 'train' or 'all', got {stage!r}")
     if stage == "prompts":
-        from .draft_data import build_prompts, save_prompts
-
         if prompts_file is None:
             raise ValueError("stage 'prompts' writes the prompts to prompts_file: pass one")
         train, held_out = build_prompts()
@@ -426,13 +425,9 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     left = lambda: None if deadline is None else max(0.0, deadline - time.perf_counter())
     max_shards = None if num_prompts is None else -(-num_prompts // 64)
     if stage in ("data", "all"):  # a bad prompts file is named before the model loads
-        from .draft_data import build_prompts, load_prompts
-
         train, held_out = build_prompts() if prompts_file is None else load_prompts(prompts_file)
     model, tokenizer = load_smollm2(device=device)
     if stage in ("data", "all"):
-        from .draft_data import write_shards
-
         if device == "cpu" and model.can_pack_weights():
             model.pack_weights()
         progress = lambda done, total, seconds: log(f"data: shard {done}/{total}, {seconds:.0f} s per shard, "
