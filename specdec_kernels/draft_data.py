@@ -354,6 +354,10 @@ def write_shards(model, tokenizer, prompts: list[str], folder: str | os.PathLike
     """
     from .generation import generate
 
+    for name, value in (("shard_size", shard_size), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size),
+                        ("top_k", top_k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _check_manifest(folder, {"prompts_sha256": hashlib.sha256("\0".join(prompts).encode()).hexdigest(),

@@ -408,6 +408,8 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
         raise ValueError(f"target must be 'smollm2', got {target!r}")
     if head != "feature":
         raise ValueError(f"head must be 'feature', got {head!r}")
+    if not isinstance(data_batch_size, int) or isinstance(data_batch_size, bool) or data_batch_size < 1:
+        raise ValueError(f"data_batch_size must be an int >= 1, got {data_batch_size!r}")
     if stage not in ("prompts", "data", "train", "all"):
         raise ValueError(f"stage must be 'prompts', 'data', 'train' or 'all', got {stage!r}")
     if stage == "prompts":

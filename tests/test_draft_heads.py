@@ -240,6 +240,12 @@ def test_write_shards_resumes_and_refuses_other_settings(target, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         write_shards(target, _CharTokenizer(), prompts, tmp_path, shard_size=2, max_new_tokens=6, batch_size=2,
                      top_k=4)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        write_shards(target, _CharTokenizer(), prompts, tmp_path / "other", batch_size=0)
+    from specdec_kernels.draft_training import train_draft
+
+    with pytest.raises(ValueError, match="data_batch_size must be an int >= 1, got 0"):
+        train_draft(stage="data", data_batch_size=0)
 
 
 def test_held_out_prompts_are_never_training_prompts():
