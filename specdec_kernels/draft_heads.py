@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._checks import is_int
 from .cache import KVCache
 from .config import LlamaConfig
 from .drafts import DraftProposal, _tighter
@@ -33,6 +34,7 @@ from .matmul import Linear
 from .model import Block, Llama, RMSNorm
 
 HEAD_FORMAT = 1  # version of the file layout `FeatureHead.save` writes
+DEFAULT_TREE_DEPTH = 4  # a tree's levels when `FeatureHeadDraft` is not told
 
 
 class FeatureHead(nn.Module):
@@ -155,24 +157,44 @@ class FeatureHeadDraft:
     over the head's own predicted feature. Draft entries are cropped after proposing: the cache
     only ever holds the target's true features.
 
+    With ``branches`` > 1 it proposes a token tree instead of a chain (EAGLE-2's dynamic tree):
+    the ``branches`` most likely children of the root; then, ``depth - 1`` times, the
+    ``branches`` most likely children of each of the ``branches`` frontier nodes whose paths the
+    head finds most likely (the product of its probabilities along the path); of all those
+    candidates, the ``num_tokens`` most likely paths' nodes, most likely first (a parent always
+    precedes its children, so a row cut to fewer nodes keeps the best ones). Each depth is one
+    forward of the head over every frontier node's path so far, under their ancestor mask. The
+    tree's tokens are deterministic proposals (no draft logits; lossless under sampling too, by
+    the point-mass rule of `tree_rejection_sample`).
+
     Args:
         target: the built-in `Llama` the head was trained for.
         head: the trained `FeatureHead`, moved in place to the target's device and dtype; when
             the target's weights are packed (`Llama.pack_weights`) at construction, the head's
             are packed with the same plan (read once: a later change of the target's is not
             followed).
+        branches: 1 for a chain (each token sampled with the run's ``sample``, its draft logits
+            given to the verifier), or the children per expanded node of a tree.
+        depth: a tree's depth (head forwards after the first), capped by ``num_tokens``; None:
+            `DEFAULT_TREE_DEPTH`. Ignored for a chain.
 
     Example::
 
-        head = load_smollm2_draft()
-        out = speculative_generate(target, FeatureHeadDraft(target, head), input_ids, max_new_tokens=64,
-                                   temperature=0)
+        head = load_smollm2_draft(target)                               # a chain
+        out = speculative_generate(target, head, input_ids, max_new_tokens=64, temperature=0)
+        tree = load_smollm2_draft(target, branches=4)                   # trees of up to K nodes
+        out = speculative_generate(target, tree, input_ids, num_draft_tokens=7, max_new_tokens=64)
     """
 
     needs_target_hidden = needs_committed_bound = True
 
-    def __init__(self, target, head: FeatureHead) -> None:
+    def __init__(self, target, head: FeatureHead, *, branches: int = 1, depth: int | None = None) -> None:
+        if not is_int(branches) or branches < 1:
+            raise ValueError(f"branches must be an int >= 1, got {branches!r}")
+        if depth is not None and (not is_int(depth) or depth < 1):
+            raise ValueError(f"depth must be None or an int >= 1, got {depth!r}")
         _check_head_fits(target, head)
+        self.branches, self.depth = int(branches), DEFAULT_TREE_DEPTH if depth is None else int(depth)
         weight = target.output.weight
         self.target, self.head = target, head.to(device=weight.device, dtype=weight.dtype).eval()
         self.model = _head_model(target, self.head)
@@ -187,7 +209,9 @@ class FeatureHeadDraft:
         B, P = input_ids.shape
         if hidden_states.shape[:2] != (B, P):
             raise ValueError(f"hidden_states must be [B, P, H] = [{B}, {P}, H], got {list(hidden_states.shape)}")
-        self.cache: KVCache = self.model.new_cache(B, max_len)
+        # A tree feeds up to (depth - 1) * branches pairs past the committed ones at once.
+        spare = (self.depth - 1) * self.branches if self.branches > 1 else 0
+        self.cache: KVCache = self.model.new_cache(B, max_len + spare)
         # Pending (feature at t, token t + 1) pairs the cache has not read: the prompt's, for now.
         self.ids, self.features, self.pending = input_ids[:, 1:], hidden_states[:, :-1], q_seqlens - 1
         self.longest = P  # host bound on every row's committed token count
@@ -209,6 +233,10 @@ class FeatureHeadDraft:
         committed = self.cache.lengths.clone()
         self.ids, self.features = self.ids[:, :0], self.features[:, :0]
         self.pending = torch.zeros_like(self.pending)
+        if self.branches > 1:
+            proposal = self._tree(logits[:, -1], feature, committed, read, num_tokens)
+            self.cache.crop(committed)
+            return proposal
         tokens, all_logits = [], []
         for i in range(num_tokens):
             full = self._full_vocab(logits[:, -1])
@@ -220,6 +248,59 @@ class FeatureHeadDraft:
                                                 max_seqlen=read + i + 1)
         self.cache.crop(committed)
         return DraftProposal(torch.stack(tokens, 1), None, torch.stack(all_logits, 1))
+
+    def _tree(self, logits: torch.Tensor, feature: torch.Tensor, committed: torch.Tensor, read: int,
+              num_tokens: int) -> DraftProposal:
+        """The tree (class docstring) grown from the root's draft logits ``logits`` [B, Vd] and
+        predicted feature ``feature`` [B, 1, H]; the cache holds the committed pairs (lengths
+        ``committed``, at most ``read``)."""
+        B, k, H = logits.shape[0], self.branches, feature.shape[-1]
+        device = logits.device
+        score, local = torch.log_softmax(logits.float(), -1).topk(k, -1)  # the root's children [B, k]
+        scores, ids, parents = [score], [local], [torch.full((B, k), -1, device=device)]  # candidates, by depth
+        beam, beam_score = torch.arange(k, device=device).expand(B, k), score  # candidate index of each
+        fed_ids = fed_features = None  # the pairs of every expanded node so far, [B, n] and [B, n, H]
+        mask = torch.zeros(B, 0, 0, dtype=torch.bool, device=device)  # their ancestor mask [B, n, n]
+        new_features, new_parents = feature.expand(B, k, H), torch.full((B, k), -1, device=device)
+        for _ in range(1, min(self.depth, num_tokens)):
+            # Expand the beam: its nodes' pairs (parent's predicted feature, node's token) join the
+            # fed ones; each sees the committed pairs, its ancestors' pairs and itself.
+            n = mask.shape[1]
+            beam_ids = self.vocab[torch.cat(ids, 1).gather(1, beam)]
+            fed_ids = beam_ids if fed_ids is None else torch.cat([fed_ids, beam_ids], 1)
+            fed_features = new_features if fed_features is None else torch.cat([fed_features, new_features], 1)
+            rows = torch.cat([mask, mask.new_zeros(B, n, k)], 2)
+            itself = torch.eye(k, dtype=torch.bool, device=device)
+            new_rows = torch.cat([mask.new_zeros(B, k, n), itself.expand(B, k, k)], 2)
+            if n:  # and its ancestors' pairs: its parent's row
+                new_rows |= rows.gather(1, new_parents[..., None].expand(B, k, n + k))
+            mask = torch.cat([rows, new_rows], 1)
+            self.cache.crop(committed)
+            inputs = self.head.input_vectors(fed_features, self.target.tok_embeddings(fed_ids))
+            _, hidden = self.model(fed_ids, self.cache, last_only=True, max_seqlen=read + n + k, return_hidden=True,
+                                   inputs_embeds=inputs, tree_mask=mask)
+            hidden = hidden[:, n:]  # the beam's outputs: its nodes' children's features [B, k, H]
+            child_logp = torch.log_softmax(self.model.output(self.model.norm(hidden)).float(), -1)
+            score, local = (beam_score[..., None] + child_logp).topk(k, -1)  # [B, k beam nodes, k children]
+            first = sum(s.shape[1] for s in scores)
+            scores.append(score.flatten(1))
+            ids.append(local.flatten(1))
+            parents.append(beam[..., None].expand(B, k, k).flatten(1))
+            # The next beam: the most likely of these children; their pairs carry their parents' outputs.
+            beam_score, best = score.flatten(1).topk(k, -1)
+            slot = best // k  # the beam node each is a child of
+            beam = first + best
+            new_features = hidden.gather(1, slot[..., None].expand(B, k, H))
+            new_parents = n + slot
+        # The num_tokens most likely candidates, in order; on equal scores the earlier (a parent
+        # precedes its children), so the kept set holds every kept node's parent.
+        score, ids, parents = (torch.cat(t, 1) for t in (scores, ids, parents))
+        order = score.sort(dim=-1, descending=True, stable=True).indices[:, :num_tokens]  # [B, N]
+        position = torch.full_like(score, -1, dtype=torch.int64).scatter_(
+            1, order, torch.arange(order.shape[1], device=device).expand_as(order))
+        parent = parents.gather(1, order)
+        parent = torch.where(parent >= 0, position.gather(1, parent.clamp(min=0)), -1)
+        return DraftProposal(self.vocab[ids.gather(1, order)], None, None, parent)
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache = self.cache.select(rows)

@@ -380,7 +380,7 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | s
 SMOLLM2_DRAFT_HEAD = Path(__file__).parent / "heads" / "smollm2-feature.pt"
 
 
-def load_smollm2_draft(target: Llama):
+def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = None):
     """The draft head shipped for SmolLM2-135M-Instruct, as a drafter for ``target``.
 
     An EAGLE-style `FeatureHead` (one decoder layer over the target's features, an 8192-id draft
@@ -389,6 +389,8 @@ def load_smollm2_draft(target: Llama):
 
     Args:
         target: SmolLM2-135M-Instruct as `load_smollm2` returns it (any dtype and device).
+        branches, depth: 1 for chains, or the shape of the token trees it drafts
+            (`FeatureHeadDraft`).
 
     Returns:
         A `FeatureHeadDraft` for `speculative_generate`.
@@ -407,5 +409,5 @@ def load_smollm2_draft(target: Llama):
 
     if not SMOLLM2_DRAFT_HEAD.is_file():
         raise FileNotFoundError(f"the SmolLM2 draft head is missing from this installation: {SMOLLM2_DRAFT_HEAD}")
-    return FeatureHeadDraft(target, FeatureHead.load(SMOLLM2_DRAFT_HEAD))
+    return FeatureHeadDraft(target, FeatureHead.load(SMOLLM2_DRAFT_HEAD), branches=branches, depth=depth)
 

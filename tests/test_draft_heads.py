@@ -1,5 +1,7 @@
 """Trained draft heads: the feature head as a Drafter, its training, its files."""
 
+import functools
+
 import pytest
 import torch
 
@@ -48,6 +50,87 @@ def test_greedy_speculative_output_equals_generate_with_a_head(target, vocab_siz
         if len(differ):
             assert greedy_divergence_allowed(target, input_ids, mask, plain.tokens, row, int(differ[0]))
     assert (spec.stats.num_generated == plain.stats.num_generated).all()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("branches, depth, K", [(2, 1, 3), (2, 3, 5), (4, 4, 9), (3, None, 15)])
+def test_greedy_tree_speculation_with_a_head_equals_generate(target, branches, depth, K, adaptive):
+    input_ids, mask = ragged_prompts(B=5, P=7, seed=K)
+    plain = generate(target, input_ids, mask, max_new_tokens=14, temperature=0)
+    drafter = FeatureHeadDraft(target, random_head(target, 60, seed=K, scale=3.0), branches=branches, depth=depth)
+    spec = speculative_generate(target, drafter, input_ids, mask, num_draft_tokens=K, max_new_tokens=14,
+                                temperature=0, adaptive=adaptive)
+    for row in range(input_ids.shape[0]):
+        differ = (plain.tokens[row] != spec.tokens[row]).nonzero()
+        if len(differ):
+            assert greedy_divergence_allowed(target, input_ids, mask, plain.tokens, row, int(differ[0]))
+    assert (spec.stats.num_generated == plain.stats.num_generated).all()
+
+
+def _reference_tree(next_log_probs, branches: int, depth: int, num_tokens: int) -> list[tuple[float, tuple]]:
+    """EAGLE-2's dynamic tree by brute force: ``next_log_probs(path)`` gives the head's log-probs
+    [Vd] of the token after ``path`` (draft-vocabulary indices); the ``branches`` best children of
+    the root, then ``depth - 1`` times the ``branches`` best children of each of the
+    ``branches`` best paths of the last level; the ``num_tokens`` best candidates, best first."""
+    def children(score, path):
+        top = (score + next_log_probs(path)).topk(branches)
+        return [(value, (*path, index)) for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
+
+    beam = children(0.0, ())
+    candidates = list(beam)
+    for _ in range(depth - 1):
+        level = [child for score, path in beam for child in children(score, path)]
+        candidates += level
+        beam = sorted(level, key=lambda c: -c[0])[:branches]
+    return sorted(candidates, key=lambda c: -c[0])[:num_tokens]
+
+
+def _forced_chain_log_probs(target, head, committed, hidden, path) -> torch.Tensor:
+    """The head's log-probs [Vd] of the token after ``committed`` [n] then ``path`` (draft-
+    vocabulary indices), drafting a chain forced along ``path`` (``hidden`` [n - 1, H]: the
+    target's features of the committed positions but the last)."""
+    n = len(committed)
+    chain = FeatureHeadDraft(target, head)
+    chain.prefill(committed[None, :n - 1], torch.tensor([n - 1]), 64, hidden_states=hidden[None])
+    chain.commit(committed[None, n - 1:], torch.tensor([1]), hidden_states=hidden[None, n - 2:])
+    forced = iter([*head.draft_vocab[list(path)].tolist(), 0])
+    logits = chain.propose(len(path) + 1, lambda _: torch.tensor([next(forced)])).logits[0, -1]
+    return torch.log_softmax(logits[head.draft_vocab].float(), -1)
+
+
+@pytest.mark.parametrize("branches, depth, K, scale", [(2, 3, 6, 3.0), (4, 2, 20, 3.0), (3, 3, 21, 0.6),
+                                                     (2, 4, 14, 0.6)])
+def test_a_heads_tree_holds_the_most_likely_paths_it_drafts(target, branches, depth, K, scale):
+    """Each row's tree (after ragged commits) is the brute-force dynamic tree whose path
+    probabilities come from chain drafting forced along each path; nodes in topological order,
+    most likely first. (A flatter head, ``scale`` 0.6, mixes parents in a level's best paths; K is
+    then every candidate, so that the deepest levels are kept.)"""
+    head = random_head(target, 50, seed=3, scale=scale)
+    g = torch.Generator().manual_seed(branches)
+    B, P = 3, 8
+    text = torch.randint(0, V, (B, P), generator=g)
+    lengths = torch.tensor([8, 4, 6])  # committed tokens per row: a prompt of lengths - 1, then one token
+    hidden = torch.stack([_sequence_hidden(target, row) for row in text])
+    prompt = torch.where(torch.arange(P) < (lengths - 1)[:, None], text, 0)
+    drafter = FeatureHeadDraft(target, head, branches=branches, depth=depth)
+    drafter.prefill(prompt, lengths - 1, 64, hidden_states=hidden)
+    last = (lengths - 1)[:, None]
+    drafter.commit(text.gather(1, last), torch.ones(B, dtype=torch.int64),
+                   hidden_states=hidden.gather(1, (last - 1)[..., None].expand(-1, -1, hidden.shape[-1])))
+    tree = drafter.propose(K, lambda logits: logits.argmax(-1))
+    assert tree.logits is None and tree.parents is not None
+    local = torch.full((V,), -1, dtype=torch.int64)
+    local[head.draft_vocab] = torch.arange(len(head.draft_vocab))
+    for row in range(B):
+        n = int(lengths[row])
+
+        next_log_probs = functools.partial(_forced_chain_log_probs, target, head, text[row, :n], hidden[row, :n - 1])
+        expected = _reference_tree(next_log_probs, branches, depth, K)
+        parents, paths = tree.parents[row].tolist(), []
+        for i, (token, parent) in enumerate(zip(local[tree.token_ids[row]].tolist(), parents, strict=True)):
+            assert -1 <= parent < i
+            paths.append((*(paths[parent] if parent >= 0 else ()), token))
+        assert paths == [path for _, path in expected]
 
 
 def _sequence_hidden(target, ids):
@@ -110,6 +193,38 @@ def test_sampling_with_a_head_is_lossless():
         > P_THRESHOLD
     assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=64), marginal3) > P_THRESHOLD
     assert out.stats.num_accepted.sum() > 0 and (t >= 40).any()
+
+
+def test_sampling_with_a_heads_tree_is_lossless():
+    """Chi-square as above with token trees: deterministic siblings, verified by the point-mass rule."""
+    from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
+
+    small = dict(layers=2, hidden=32, heads=4, kv_heads=1)
+    target = tiny_llama(seed=1, scale=4.0, vocab_size=64, **small)
+    head = new_head(target, torch.arange(40), 0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(8.0)
+    prompt = torch.tensor([3, 1, 4])
+    joint, marginal3 = exact_first_tokens_distribution(target, prompt)
+    ids = prompt.expand(6000, -1).contiguous()
+    out = speculative_generate(target, FeatureHeadDraft(target, head.eval(), branches=3, depth=2), ids,
+                               num_draft_tokens=4, max_new_tokens=3, seed=7, adaptive=False, temperature=1.0)
+    t = out.tokens
+    assert chi_square_pvalue(torch.bincount(t[:, 0] * 64 + t[:, 1], minlength=64 * 64).reshape(64, 64), joint) \
+        > P_THRESHOLD
+    assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=64), marginal3) > P_THRESHOLD
+    assert out.stats.num_accepted.sum() > 0 and (t >= 40).any()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(branches=0), "branches must be an int >= 1"),
+    (dict(branches=2.0), "branches must be an int >= 1"),
+    (dict(branches=2, depth=0), "depth must be None or an int >= 1"),
+])
+def test_bad_tree_options_are_refused(target, options, message):
+    with pytest.raises(ValueError, match=message):
+        FeatureHeadDraft(target, random_head(target), **options)
 
 
 def test_a_head_for_another_target_is_refused(target):
