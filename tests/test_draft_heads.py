@@ -172,8 +172,10 @@ def test_drafting_reads_what_the_unrolled_training_step_reads(target):
         torch.testing.assert_close(ran, trained, rtol=1e-4, atol=1e-4)
 
 
-def test_sampling_with_a_head_is_lossless():
-    """Chi-square of the first three sampled tokens against the target's exact distribution."""
+@pytest.mark.parametrize("branches, depth, K", [(1, None, 2), (3, 2, 4)])
+def test_sampling_with_a_head_is_lossless(branches, depth, K):
+    """Chi-square of the first three sampled tokens against the target's exact distribution,
+    with chains (sampled drafts) and trees (deterministic siblings, the point-mass rule)."""
     from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
 
     small = dict(layers=2, hidden=32, heads=4, kv_heads=1)
@@ -186,30 +188,9 @@ def test_sampling_with_a_head_is_lossless():
     prompt = torch.tensor([3, 1, 4])
     joint, marginal3 = exact_first_tokens_distribution(target, prompt)
     ids = prompt.expand(6000, -1).contiguous()
-    out = speculative_generate(target, FeatureHeadDraft(target, head.eval()), ids, num_draft_tokens=2,
-                               max_new_tokens=3, seed=7, adaptive=False, temperature=1.0)
-    t = out.tokens
-    assert chi_square_pvalue(torch.bincount(t[:, 0] * 64 + t[:, 1], minlength=64 * 64).reshape(64, 64), joint) \
-        > P_THRESHOLD
-    assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=64), marginal3) > P_THRESHOLD
-    assert out.stats.num_accepted.sum() > 0 and (t >= 40).any()
-
-
-def test_sampling_with_a_heads_tree_is_lossless():
-    """Chi-square as above with token trees: deterministic siblings, verified by the point-mass rule."""
-    from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
-
-    small = dict(layers=2, hidden=32, heads=4, kv_heads=1)
-    target = tiny_llama(seed=1, scale=4.0, vocab_size=64, **small)
-    head = new_head(target, torch.arange(40), 0)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.mul_(8.0)
-    prompt = torch.tensor([3, 1, 4])
-    joint, marginal3 = exact_first_tokens_distribution(target, prompt)
-    ids = prompt.expand(6000, -1).contiguous()
-    out = speculative_generate(target, FeatureHeadDraft(target, head.eval(), branches=3, depth=2), ids,
-                               num_draft_tokens=4, max_new_tokens=3, seed=7, adaptive=False, temperature=1.0)
+    drafter = FeatureHeadDraft(target, head.eval(), branches=branches, depth=depth)
+    out = speculative_generate(target, drafter, ids, num_draft_tokens=K, max_new_tokens=3, seed=7, adaptive=False,
+                               temperature=1.0)
     t = out.tokens
     assert chi_square_pvalue(torch.bincount(t[:, 0] * 64 + t[:, 1], minlength=64 * 64).reshape(64, 64), joint) \
         > P_THRESHOLD
