@@ -336,40 +336,57 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
             f"of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
-def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), branches=(2, 4), repeats: int = 3,
-                pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                random_weights: str | None = None) -> str:
-    """Token trees against chains at equal verify width: prompt lookup as a chain
-    (`PromptLookupDraft`) and as trees of its earlier occurrences' continuations
-    (``branches=``), ``width - 1`` drafts each (fixed lengths), and our plain generate; every
-    method ``repeats`` times, interleaved; a markdown table of medians plus the machine line.
-    Columns: tokens per target forward (tree / chain), wall-clock speedups over plain and over
-    the chain."""
+def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), branches=(2, 4),
+                head_trees=((4, 4), (6, 5)), repeats: int = 3, pack: bool = True, device: str = "cpu",
+                dtype: torch.dtype = torch.float32, random_weights: str | None = None) -> str:
+    """Token trees against chains at equal verify width, on held-out prompts (`held_out_prompts`;
+    batch 1 answers each in turn, a batch of b rows the first b): prompt lookup as a chain
+    (`PromptLookupDraft`) and as trees of its earlier occurrences' continuations (``branches=``);
+    the shipped trained head (`load_smollm2_draft`; not with random weights) as a chain and as
+    dynamic trees of ``(branches, depth)`` in ``head_trees``; ``width - 1`` drafts each (fixed
+    lengths), and our plain generate; every method ``repeats`` times, interleaved; a markdown
+    table of medians plus the machine line. Columns: tokens per target forward (tree / chain of
+    the same source), wall-clock speedups over plain and over the chain. Each run's tokens are
+    checked against plain's (`_greedy_rows_note`)."""
     from benchmarks.timing import machine_line
+    from specdec_kernels import load_smollm2_draft
 
     torch.manual_seed(0)
     setup = load_setup(pack, device, dtype, random_weights)
+    prompts = held_out_prompts()
+    sources = {"prompt lookup": {"chain": PromptLookupDraft(),
+                                 **{f"tree, {b} branches": PromptLookupDraft(branches=b) for b in branches}}}
+    if random_weights is None:
+        sources["trained head"] = {"chain": load_smollm2_draft(setup.model),
+                                   **{f"tree, {b} branches, depth {d}": load_smollm2_draft(setup.model, branches=b,
+                                                                                         depth=d)
+                                      for b, d in head_trees}}
     lines = []
     for B in batch_sizes:
-        methods = {"plain": (run_ours, None, 4, False)}
+        methods = {"plain": (run_head, None, 4, False, prompts)}
         for width in widths:
-            for b in (1, *branches):
-                methods[width, b] = (run_ours, PromptLookupDraft(branches=b), width - 1, False)
+            for source, drafters in sources.items():
+                for name, drafter in drafters.items():
+                    methods[width, source, name] = (run_head, drafter, width - 1, False, prompts)
         median = _interleaved_medians(setup, methods, B, max_new_tokens, repeats)
-        plain_s = median["plain"][0]
+        plain_s, plain = median["plain"]
         for width in widths:
-            chain_s, chain = median[width, 1]
-            chain_tpf = chain.stats.tokens_per_target_forward
-            lines.append(f"| {B} | {width} | chain | {chain_tpf:.2f} | | {plain_s / chain_s:.2f}x | |")
-            for b in branches:
-                tree_s, tree = median[width, b]
-                tpf = tree.stats.tokens_per_target_forward
-                lines.append(f"| {B} | {width} | tree, {b} branches | {tpf:.2f} | {tpf / chain_tpf:.2f}x | "
-                             f"{plain_s / tree_s:.2f}x | {chain_s / tree_s:.2f}x |")
-    header = ("| batch | verify width | prompt lookup | tokens per target forward | tree / chain | vs plain | "
-              "vs chain |\n|---|---|---|---|---|---|---|")
+            for source, drafters in sources.items():
+                chain_s, chain = median[width, source, "chain"]
+                chain_tpf = chain.stats.tokens_per_target_forward
+                for name in drafters:
+                    seconds, out = median[width, source, name]
+                    note = _greedy_rows_note(setup, B if B > 1 else len(prompts), prompts, out, plain, dtype,
+                                             f"{source} {name}")
+                    tpf = out.stats.tokens_per_target_forward
+                    versus = ("", "") if name == "chain" else (f"{tpf / chain_tpf:.2f}x", f"{chain_s / seconds:.2f}x")
+                    lines.append(f"| {B} | {width} | {source} | {name} | {tpf:.2f} | {versus[0]} | "
+                                 f"{plain_s / seconds:.2f}x{note} | {versus[1]} |")
+    header = ("| batch | verify width | source | draft | tokens per target forward | tree / chain | vs plain | "
+              "vs chain |\n|---|---|---|---|---|---|---|---|")
     return (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
-            f"{max_new_tokens} new tokens per row, fixed draft lengths, median of {repeats} interleaved runs\n"
+            f"{max_new_tokens} new tokens per row, {len(prompts)} held-out prompts (batch 1: one at a time), "
+            f"fixed draft lengths, median of {repeats} interleaved runs\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
@@ -647,7 +664,7 @@ if __name__ == "__main__":
     parser.add_argument("--hf-models", action="store_true",
                         help="our loops driving transformers' own model and draft against transformers' generation")
     parser.add_argument("--trees", action="store_true",
-                        help="prompt-lookup trees against chains at equal verify width (no HF runs)")
+                        help="prompt-lookup and trained-head trees against chains at equal verify width (no HF runs)")
     parser.add_argument("--jacobi", action="store_true", help="jacobi_generate against our plain generate")
     parser.add_argument("--lookahead", action="store_true",
                         help="lookahead_generate (fixed and adaptive) against our plain generate, copy-heavy and "
