@@ -14,7 +14,7 @@ from ._backend import BACKENDS, auto_backend, interpreter_enabled, resolve_backe
 from ._checks import DeviceCheckError
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import KVCache
-from .draft_heads import FeatureHead, FeatureHeadDraft
+from .draft_heads import ExitHead, ExitHeadDraft, FeatureHead, FeatureHeadDraft
 from .drafts import Drafter, DraftProposal, EarlyExitDraft, ModelDraft, PromptLookupDraft
 from .generation import GenerationOutput, GenerationStats, generate, speculative_generate
 from .jacobi import jacobi_generate
@@ -42,6 +42,8 @@ __all__ = [
     "DraftProposal",
     "Drafter",
     "EarlyExitDraft",
+    "ExitHead",
+    "ExitHeadDraft",
     "FeatureHead",
     "FeatureHeadDraft",
     "GenerationOutput",

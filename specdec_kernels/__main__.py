@@ -4,7 +4,7 @@
                                    [--method M] [--draft KIND] [-k K] [--temperature T] [--top-k K]
                                    [--top-p P] [--batch-size B] [--rounds R] [--device DEV] [--seed S]
     python -m specdec_kernels env
-    python -m specdec_kernels train-draft [--target smollm2] [--head feature]
+    python -m specdec_kernels train-draft [--target smollm2] [--head feature|early-exit] [--exit-layer M]
                                           [--stage prompts|data|train|all] [--minutes M] [--steps N]
                                           [--prompts N] [--prompts-file F] [--data-batch-size B]
                                           [--device DEV]
@@ -331,14 +331,15 @@ def run_train_draft(args: argparse.Namespace) -> int:
     from specdec_kernels.pretrained import ModelNotInstalledError
 
     for flag, value in (("--minutes", args.minutes), ("--steps", args.steps), ("--prompts", args.prompts),
-                        ("--data-batch-size", args.data_batch_size)):
+                        ("--data-batch-size", args.data_batch_size), ("--exit-layer", args.exit_layer)):
         if value is not None and not value > 0:
             print(f"train-draft: {flag} must be > 0, got {value}", file=sys.stderr)
             return 2
     if args.stage == "prompts" and args.prompts_file is None:
         print("train-draft: --stage prompts writes the prompts to --prompts-file: pass one", file=sys.stderr)
         return 2
-    settings = TrainSettings() if args.steps is None else TrainSettings(steps=args.steps)
+    settings = TrainSettings(**{name: value for name, value in (("steps", args.steps),
+                                                                 ("exit_layer", args.exit_layer)) if value is not None})
     log = lambda line: print(time.strftime("%H:%M:%S"), line, flush=True)
     try:
         path = train_draft(target=args.target, head=args.head, data_dir=args.data_dir, out_dir=args.out_dir,
@@ -421,8 +422,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                                        "then train a draft head on its features and logits (train), in pieces: "
                                        "run the same command again to go on where the last piece stopped.")
     train.add_argument("--target", choices=("smollm2",), default="smollm2", help="(default: %(default)s)")
-    train.add_argument("--head", choices=("feature",), default="feature",
-                       help="feature: an EAGLE-style head over the target's features (default: %(default)s)")
+    train.add_argument("--head", choices=("feature", "early-exit"), default="feature",
+                       help="feature: an EAGLE-style head over the target's features; early-exit: the target's "
+                            "first --exit-layer layers and a trained adapter (default: %(default)s)")
+    train.add_argument("--exit-layer", type=int, default=None, metavar="M",
+                       help="--head early-exit: the target layers it runs (default: 2)")
     train.add_argument("--stage", choices=("prompts", "data", "train", "all"), default="all",
                        help="prompts: only write this machine's prompts to --prompts-file (default: %(default)s)")
     train.add_argument("--minutes", type=float, default=None, help="wall-time budget of this piece (default: none)")

@@ -14,6 +14,11 @@ runs over the whole vocabulary, so speculative decoding stays lossless.
 
 `FeatureHeadDraft` is the head as a `Drafter` (``needs_target_hidden``): it follows the committed
 text in a one-layer KV cache of its own.
+
+`ExitHead` is early exit with a trained adapter (Kangaroo, seed 000's early-exit head): the
+target's own first layers, then a small trained adapter block, then the target's final norm and
+(pruned) LM head. `ExitHeadDraft` drafts with it in the target's KV cache, as `EarlyExitDraft`
+does: the first layers' keys and values of committed tokens are the target's own.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ from torch import nn
 from ._checks import is_int
 from .cache import KVCache
 from .config import LlamaConfig
-from .drafts import DraftProposal, _tighter
+from .drafts import DraftProposal, EarlyExitDraft, _tighter
 from .matmul import Linear
-from .model import Block, Llama, RMSNorm
+from .model import Block, FeedForward, Llama, RMSNorm
 
 HEAD_FORMAT = 1  # version of the file layout `FeatureHead.save` writes
 DEFAULT_TREE_DEPTH = 4  # a tree's levels when `FeatureHeadDraft` is not told
@@ -58,14 +63,7 @@ class FeatureHead(nn.Module):
 
     def __init__(self, config: LlamaConfig, draft_vocab: torch.Tensor) -> None:
         super().__init__()
-        if (not isinstance(draft_vocab, torch.Tensor) or draft_vocab.dim() != 1 or draft_vocab.dtype != torch.int64
-                or len(draft_vocab) == 0):
-            raise ValueError(f"draft_vocab must be a non-empty [Vd] int64 tensor, got "
-                             f"{getattr(draft_vocab, 'dtype', type(draft_vocab).__name__)} "
-                             f"{list(getattr(draft_vocab, 'shape', []))}")
-        if (draft_vocab.min() < 0 or draft_vocab.max() >= config.vocab_size
-                or len(draft_vocab.unique()) != len(draft_vocab)):
-            raise ValueError(f"draft_vocab must hold distinct ids in [0, {config.vocab_size})")
+        _check_vocab(draft_vocab, config.vocab_size)
         self.config = config
         self.feature_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embedding_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -81,33 +79,98 @@ class FeatureHead(nn.Module):
 
     def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float16) -> None:
         """Write the head (config, draft vocabulary, weights in ``dtype``) to ``path``, atomically."""
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).cpu() for k, v in self.state_dict().items()}
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save({"format": HEAD_FORMAT, "kind": "feature", "config": asdict(self.config), "state": state}, tmp)
-        os.replace(tmp, path)
+        _save_head(self, "feature", {}, path, dtype)
 
     @staticmethod
     def load(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> FeatureHead:
         """Read a head `save` wrote; a ValueError names a file that is not one."""
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"no draft head file at {path}")
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-            if data.get("format") != HEAD_FORMAT or data.get("kind") != "feature":
-                raise ValueError(f"format {data.get('format')!r}, kind {data.get('kind')!r}")
-            head = FeatureHead(LlamaConfig(**data["config"]), data["state"]["draft_vocab"])
-            head.load_state_dict(data["state"])
-        except Exception as e:
-            raise ValueError(f"{path} is not a feature draft head this version reads ({type(e).__name__}: {e})") from e
-        return head.to(device=device, dtype=dtype).eval()
+        return _load_head(path, "feature", lambda data, vocab: FeatureHead(LlamaConfig(**data["config"]), vocab),
+                          dtype, device)
 
 
-def _check_head_fits(target, head: FeatureHead) -> None:
+class ExitHead(nn.Module):
+    """Early exit with a trained adapter, for a `Llama` target (trainable part only): the target's
+    hidden state after its first ``exit_layer`` layers goes through ``h + adapter(norm(h))`` (a
+    SwiGLU block of the target's MLP shape), then the target's final norm and the rows of its LM
+    head for ``draft_vocab``. The adapter reads no other position: the target's own first layers
+    have mixed the context, so drafting needs no cache beyond the target's.
+
+    Args:
+        config: the target's `LlamaConfig`.
+        exit_layer: how many of the target's first layers run (1 .. its depth - 1).
+        draft_vocab: [Vd] int64, distinct ids of the target vocabulary the head drafts from.
+
+    Example::
+
+        head = ExitHead.load("exit-head.pt")
+        out = speculative_generate(target, ExitHeadDraft(target, head), input_ids, max_new_tokens=64)
+    """
+
+    def __init__(self, config: LlamaConfig, exit_layer: int, draft_vocab: torch.Tensor) -> None:
+        super().__init__()
+        if not is_int(exit_layer) or not 1 <= exit_layer < config.num_hidden_layers:
+            raise ValueError(f"exit_layer must be an int in [1, {config.num_hidden_layers - 1}], got {exit_layer!r}")
+        _check_vocab(draft_vocab, config.vocab_size)
+        self.config, self.exit_layer = config, int(exit_layer)
+        self.adapter_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.adapter = FeedForward(config)
+        self.register_buffer("draft_vocab", draft_vocab.clone())
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The adapted hidden state [..., H] from the exit layer's output [..., H]."""
+        return hidden + self.adapter(self.adapter_norm(hidden))
+
+    def save(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float16) -> None:
+        """Write the head (config, exit layer, draft vocabulary, weights in ``dtype``) to ``path``, atomically."""
+        _save_head(self, "early-exit", {"exit_layer": self.exit_layer}, path, dtype)
+
+    @staticmethod
+    def load(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> ExitHead:
+        """Read a head `save` wrote; a ValueError names a file that is not one."""
+        return _load_head(path, "early-exit",
+                          lambda data, vocab: ExitHead(LlamaConfig(**data["config"]), data["exit_layer"], vocab),
+                          dtype, device)
+
+
+def _check_vocab(draft_vocab: torch.Tensor, vocab_size: int) -> None:
+    if (not isinstance(draft_vocab, torch.Tensor) or draft_vocab.dim() != 1 or draft_vocab.dtype != torch.int64
+            or len(draft_vocab) == 0):
+        raise ValueError(f"draft_vocab must be a non-empty [Vd] int64 tensor, got "
+                         f"{getattr(draft_vocab, 'dtype', type(draft_vocab).__name__)} "
+                         f"{list(getattr(draft_vocab, 'shape', []))}")
+    if draft_vocab.min() < 0 or draft_vocab.max() >= vocab_size or len(draft_vocab.unique()) != len(draft_vocab):
+        raise ValueError(f"draft_vocab must hold distinct ids in [0, {vocab_size})")
+
+
+def _save_head(head: nn.Module, kind: str, extra: dict, path: str | os.PathLike, dtype: torch.dtype) -> None:
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).cpu() for k, v in head.state_dict().items()}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"format": HEAD_FORMAT, "kind": kind, "config": asdict(head.config), **extra, "state": state}, tmp)
+    os.replace(tmp, path)
+
+
+def _load_head(path: str | os.PathLike, kind: str, build, dtype: torch.dtype, device: torch.device | str):
+    """The head of ``kind`` at ``path``: ``build(data, draft_vocab)`` makes it, then its weights load."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no draft head file at {path}")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        if data.get("format") != HEAD_FORMAT or data.get("kind") != kind:
+            raise ValueError(f"format {data.get('format')!r}, kind {data.get('kind')!r}")
+        head = build(data, data["state"]["draft_vocab"])
+        head.load_state_dict(data["state"])
+    except Exception as e:
+        raise ValueError(f"{path} is not a {kind} draft head this version reads ({type(e).__name__}: {e})") from e
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def _check_head_fits(target, head: FeatureHead | ExitHead) -> None:
     config = getattr(target, "config", None)
     if not isinstance(target, Llama) or not isinstance(config, LlamaConfig):
-        raise TypeError(f"FeatureHeadDraft needs the built-in Llama as its target, got {type(target).__name__}")
+        raise TypeError(f"a draft head needs the built-in Llama as its target, got {type(target).__name__}")
     mine = {k: v for k, v in asdict(head.config).items() if k != "num_hidden_layers"}
     theirs = {k: v for k, v in asdict(config).items() if k != "num_hidden_layers"}
     if mine != theirs:
@@ -125,10 +188,7 @@ def _head_model(target: Llama, head: FeatureHead) -> Llama:
     model.config = config
     model.tok_embeddings, model.norm = target.tok_embeddings, target.norm
     model.layers = nn.ModuleList([head.layer])
-    weight = target.output.weight
-    model.output = Linear(config.hidden_size, config.vocab_size).to(weight)
-    with torch.no_grad():
-        model.output.weight.copy_(weight.index_select(0, head.draft_vocab.to(weight.device)))
+    model.output = _pruned_output(target, head.draft_vocab)
     model._inv_freq = None
     model.weights_lock = target.weights_lock
     return model.eval()
@@ -318,6 +378,82 @@ class FeatureHeadDraft:
         return logits, hidden
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """[B, V] target-vocabulary logits from [B, Vd] draft-vocabulary ones (-inf elsewhere)."""
-        full = logits.new_full((logits.shape[0], self.target.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.vocab, logits)
+        return _full_vocab(logits, self.vocab, self.target.vocab_size)
+
+
+def _full_vocab(logits: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., V] target-vocabulary logits from [..., Vd] draft-vocabulary ones (-inf elsewhere)."""
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, vocab, logits)
+
+
+class _Adapter(nn.Module):
+    """An `ExitHead`'s adapter as a layer of a `Llama` (it reads no cache)."""
+
+    def __init__(self, head: ExitHead) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor, cache: KVCache, layer: int, step) -> torch.Tensor:
+        return self.head(x)
+
+
+def _pruned_output(target: Llama, vocab: torch.Tensor) -> Linear:
+    """A copy of the rows ``vocab`` of the target's LM head (the target may lay out its own otherwise)."""
+    weight = target.output.weight
+    output = Linear(weight.shape[1], len(vocab)).to(weight)
+    with torch.no_grad():
+        output.weight.copy_(weight.index_select(0, vocab.to(weight.device)))
+    return output
+
+
+def _exit_model(target: Llama, head: ExitHead) -> Llama:
+    """The target's first ``head.exit_layer`` layers (shared), the adapter, the target's final
+    norm and the draft vocabulary's rows of its LM head, as one `Llama` over the target's cache."""
+    config = LlamaConfig(**{**asdict(target.config), "num_hidden_layers": head.exit_layer + 1,
+                            "vocab_size": len(head.draft_vocab), "tie_word_embeddings": False})
+    model = Llama.__new__(Llama)
+    nn.Module.__init__(model)
+    model.config = config
+    model.tok_embeddings, model.norm = target.tok_embeddings, target.norm
+    model.layers = nn.ModuleList([*target.layers[:head.exit_layer], _Adapter(head)])
+    model.output = _pruned_output(target, head.draft_vocab)
+    model._inv_freq = None
+    model.weights_lock = target.weights_lock
+    return model.eval()
+
+
+class ExitHeadDraft(EarlyExitDraft):
+    """A `Drafter` from a trained `ExitHead`: the target's first layers, in the target's own KV
+    cache (as `EarlyExitDraft`: no prefill, no committed token read twice), then the adapter and
+    the draft vocabulary's LM head; draft logits are -inf outside the draft vocabulary.
+
+    Args:
+        target: the built-in `Llama` the head was trained for (the same object is the target of
+            ``speculative_generate``).
+        head: the trained `ExitHead`, moved in place to the target's device and dtype; on a
+            packed target its matmuls take the target's plan.
+        cuda_graphs: replay the draft's one-token forwards as CUDA graphs, as in `generate`.
+
+    Example::
+
+        head = ExitHead.load("exit-head.pt")
+        out = speculative_generate(target, ExitHeadDraft(target, head), input_ids, max_new_tokens=64)
+    """
+
+    def __init__(self, target, head: ExitHead, *, cuda_graphs: bool | None = None) -> None:
+        if not isinstance(head, ExitHead):
+            raise TypeError(f"head must be an ExitHead, got {type(head).__name__}")
+        _check_head_fits(target, head)
+        super().__init__(target, head.exit_layer, cuda_graphs=cuda_graphs)
+        weight = target.output.weight
+        self.head = head.to(device=weight.device, dtype=weight.dtype).eval()
+        self.model = _exit_model(target, self.head)
+        self.vocab, self.vocab_size = self.head.draft_vocab, target.vocab_size
+        plan = getattr(target.output, "plan", None)
+        if plan is not None:  # a packed target: the head's matmuls take the same forms
+            for module in (self.model.output, self.head.adapter.w13, self.head.adapter.w2):
+                module.pack(plan)
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return _full_vocab(logits, self.vocab, self.vocab_size)

@@ -1,4 +1,8 @@
-"""Training a `FeatureHead` on distillation shards (`specdec_kernels.draft_data`), in resumable pieces.
+"""Training a draft head on distillation shards (`specdec_kernels.draft_data`), in resumable pieces.
+
+Two kinds (`TrainSettings.head`): a `FeatureHead` (below) and an `ExitHead`, trained to give the
+target's distribution at position t from the target's own hidden state after its first
+``exit_layer`` layers there (computed from the shard's tokens by the frozen target, each batch).
 
 The head at pair position t reads ``(target feature h_t, token x_{t+1})`` and is trained to give
 the target's distribution at position t + 1 (its top logits in the shard: distillation) and the
@@ -18,6 +22,7 @@ the end of each piece) continues as if never stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -30,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .draft_data import Shard
-from .draft_heads import FeatureHead
+from .draft_heads import ExitHead, FeatureHead
 from .model import Llama
 
 
@@ -48,6 +53,9 @@ class TrainSettings:
         draft_vocab_size: ids in the draft vocabulary (the most frequent answer tokens).
         seed: seeds the head's initial weights and the batch order.
         checkpoint_every: steps between checkpoints.
+        head: ``"feature"`` (`FeatureHead`) or ``"early-exit"`` (`ExitHead`; ``unroll``,
+            ``step_decay`` and ``feature_weight`` do not apply to it).
+        exit_layer: the target layers an ``"early-exit"`` head runs.
     """
 
     steps: int = 4000
@@ -61,6 +69,8 @@ class TrainSettings:
     draft_vocab_size: int = 8192
     seed: int = 0
     checkpoint_every: int = 100
+    head: str = "feature"
+    exit_layer: int = 2
 
 
 @dataclass
@@ -146,7 +156,7 @@ def _collate(sequences: list[_Sequence], index: list[int], vocab_index: torch.Te
                                            lengths)))
 
 
-def _vocab_index(head: FeatureHead, vocab_size: int) -> torch.Tensor:
+def _vocab_index(head: FeatureHead | ExitHead, vocab_size: int) -> torch.Tensor:
     """[vocab_size] int64 on the CPU: each target id's index in the head's draft vocabulary, or -1."""
     index = torch.full((vocab_size,), -1, dtype=torch.int64)
     index[head.draft_vocab.cpu()] = torch.arange(len(head.draft_vocab))
@@ -216,10 +226,7 @@ class _Trainer:
         for k, (logits, h) in enumerate(self.forward(batch, settings.unroll), start=1):
             mask = (position >= batch.first[:, None] + (k - 1)) & (position < batch.lengths[:, None])
             count = mask.sum().clamp(min=1)
-            logq = logits.log_softmax(-1)
-            in_vocab = batch.top_ids >= 0
-            picked = logq.gather(-1, batch.top_ids.clamp(min=0)) * in_vocab
-            distill = -(batch.top_probs * picked).sum(-1)
+            distill = _distillation(logits, batch.top_ids, batch.top_probs)
             feature = F.smooth_l1_loss(self.norm(h), target_features, reduction="none").mean(-1)
             loss = ((distill + settings.feature_weight * feature) * mask).sum() / count
             total = total + settings.step_decay ** (k - 1) * loss
@@ -227,6 +234,75 @@ class _Trainer:
             stats[f"top1_step{k}"] = (agree.sum() / count).item()
             stats[f"positions_step{k}"] = int(mask.sum())  # 0 when no position counts
         return total, stats
+
+
+def _distillation(logits: torch.Tensor, top_ids: torch.Tensor, top_probs: torch.Tensor) -> torch.Tensor:
+    """[...] cross-entropy of draft-vocabulary ``logits`` [..., Vd] against the target's top-k
+    distribution (``top_ids`` [..., k] draft-vocabulary indices, -1 outside it; ``top_probs``)."""
+    picked = logits.log_softmax(-1).gather(-1, top_ids.clamp(min=0)) * (top_ids >= 0)
+    return -(top_probs * picked).sum(-1)
+
+
+@dataclass
+class _TokenBatch:
+    tokens: torch.Tensor     # [B, L] int64: whole sequences, right-padded
+    top_ids: torch.Tensor    # [B, L, k]: draft-vocabulary index of the target's top ids at t, or -1
+    top_probs: torch.Tensor  # [B, L, k]
+    target_argmax: torch.Tensor  # [B, L]: the target's argmax at t (predicting token t + 1)
+    first: torch.Tensor      # [B]: the first position whose next token is drafted (prompt length - 1)
+    lengths: torch.Tensor    # [B]: tokens per row
+
+
+def _collate_tokens(sequences: list[_Sequence], index: list[int], vocab_index: torch.Tensor,
+                    device: torch.device | str = "cpu") -> _TokenBatch:
+    rows = [sequences[i] for i in index]
+    B, L, k = len(rows), max(len(s.token_ids) for s in rows), rows[0].top_ids.shape[1]
+    tokens, argmax = torch.zeros(B, L, dtype=torch.int64), torch.zeros(B, L, dtype=torch.int64)
+    top_ids, top_probs = torch.full((B, L, k), -1, dtype=torch.int64), torch.zeros(B, L, k)
+    for b, s in enumerate(rows):
+        n = len(s.token_ids)
+        tokens[b, :n], argmax[b, :n] = s.token_ids, s.top_ids[:, 0]
+        top_ids[b, :n], top_probs[b, :n] = vocab_index[s.top_ids], s.top_logits.softmax(-1)
+    first = torch.tensor([s.prompt_length - 1 for s in rows])
+    lengths = torch.tensor([len(s.token_ids) for s in rows])
+    return _TokenBatch(*(t.to(device) for t in (tokens, top_ids, top_probs, argmax, first, lengths)))
+
+
+class _ExitTrainer:
+    """The training forward of an `ExitHead`: the frozen target's first layers over whole
+    sequences (no gradient), then the head, against the target's distribution at each position."""
+
+    def __init__(self, target: Llama, head: ExitHead) -> None:
+        self.target, self.head = target, head
+        self.prefix = target.truncated(head.exit_layer)
+        self.out_weight = target.output.weight.detach().index_select(0, head.draft_vocab).float()
+
+    def logits(self, batch: _TokenBatch) -> torch.Tensor:
+        """Draft-vocabulary logits [B, L, Vd] at every position."""
+        B, L = batch.tokens.shape
+        with torch.no_grad():
+            _, hidden = self.prefix(batch.tokens, self.prefix.new_cache(B, L), batch.lengths, last_only=True,
+                                    return_hidden=True)
+        n = self.target.norm
+        return F.rms_norm(self.head(hidden.float()), n.weight.shape, n.weight.detach().float(), n.eps) \
+            @ self.out_weight.T
+
+    def losses(self, batch: _TokenBatch, settings: TrainSettings) -> tuple[torch.Tensor, dict]:
+        """The distillation loss over answer positions, and the top-1 agreement there (``top1_step1``)."""
+        logits = self.logits(batch)
+        position = torch.arange(logits.shape[1], device=logits.device)[None]
+        mask = (position >= batch.first[:, None]) & (position < batch.lengths[:, None] - 1)
+        count = mask.sum().clamp(min=1)
+        loss = (_distillation(logits, batch.top_ids, batch.top_probs) * mask).sum() / count
+        agree = (self.head.draft_vocab[logits.argmax(-1)] == batch.target_argmax) & mask
+        return loss, {"top1_step1": (agree.sum() / count).item(), "positions_step1": int(mask.sum())}
+
+
+def _trainer(target: Llama, head: FeatureHead | ExitHead):
+    """The trainer of ``head``'s kind, and the batch maker it takes."""
+    if isinstance(head, ExitHead):
+        return _ExitTrainer(target, head), _collate_tokens
+    return _Trainer(target, head), _collate
 
 
 def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
@@ -243,28 +319,44 @@ def _schedule(step: int, settings: TrainSettings) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def new_head(target: Llama, vocabulary: torch.Tensor, seed: int) -> FeatureHead:
-    """A freshly initialised head in float32 (weights seeded by ``seed``)."""
+def new_head(target: Llama, vocabulary: torch.Tensor, seed: int, *, kind: str = "feature",
+             exit_layer: int = 2) -> FeatureHead | ExitHead:
+    """A freshly initialised head of ``kind`` (``"feature"`` or ``"early-exit"``) in float32
+    (weights seeded by ``seed``). An early-exit head's adapter starts as the identity (its output
+    projection zero): it begins as the target's own logit lens at ``exit_layer``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = FeatureHead(target.config, vocabulary)
+        head = _blank_head(target, kind, exit_layer, vocabulary)
         for p in head.parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02)
+        if isinstance(head, ExitHead):
+            torch.nn.init.zeros_(head.adapter.w2.weight)
     return head
 
 
+def _blank_head(target: Llama, kind: str, exit_layer: int, vocabulary: torch.Tensor) -> FeatureHead | ExitHead:
+    if kind == "feature":
+        return FeatureHead(target.config, vocabulary)
+    if kind == "early-exit":
+        return ExitHead(target.config, exit_layer, vocabulary)
+    raise ValueError(f"head must be 'feature' or 'early-exit', got {kind!r}")
+
+
 @torch.no_grad()
-def evaluate(target: Llama, head: FeatureHead, sequences: list[_Sequence], unroll: int = 3,
+def evaluate(target: Llama, head: FeatureHead | ExitHead, sequences: list[_Sequence], unroll: int = 3,
              tokens_per_batch: int = 4096) -> dict:
-    """Top-1 agreement with the target's argmax per draft position (1 .. unroll) over ``sequences``."""
+    """Top-1 agreement with the target's argmax per draft position (1 .. unroll) over ``sequences``.
+    An `ExitHead` has one (``unroll`` 1): its later draft tokens read the target's own layers over
+    the draft's tokens, as exact as the first when the drafts before them are right."""
     head = head.to(target.output.weight.device, torch.float32)
-    trainer = _Trainer(target, head)
+    trainer, collate = _trainer(target, head)
     index = _vocab_index(head, target.vocab_size)
+    unroll = 1 if isinstance(head, ExitHead) else unroll
     settings = TrainSettings(unroll=unroll)
     agree, count = [0.0] * unroll, [0] * unroll
     for batch_index in _batches(sequences, tokens_per_batch, 0, 0):
-        _, stats = trainer.losses(_collate(sequences, batch_index, index, target.output.weight.device), settings)
+        _, stats = trainer.losses(collate(sequences, batch_index, index, target.output.weight.device), settings)
         for k in range(unroll):
             n = stats[f"positions_step{k + 1}"]
             agree[k] += stats[f"top1_step{k + 1}"] * n
@@ -274,8 +366,9 @@ def evaluate(target: Llama, head: FeatureHead, sequences: list[_Sequence], unrol
 
 def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathLike, settings: TrainSettings,
                *, max_seconds: float | None = None, log: Callable[[str], None] = print,
-               data_id: str = "") -> FeatureHead:
-    """Train a `FeatureHead` for ``target`` on ``sequences``, resuming from ``folder``'s checkpoint.
+               data_id: str = "") -> FeatureHead | ExitHead:
+    """Train a head of ``settings.head``'s kind for ``target`` on ``sequences``, resuming from
+    ``folder``'s checkpoint.
 
     Writes ``folder/checkpoint.pt`` every ``settings.checkpoint_every`` steps and when
     ``max_seconds`` has passed (the piece then returns; run again to go on) or training ends.
@@ -303,18 +396,19 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
         if recorded[1] != data_id:
             raise ValueError(f"{checkpoint_path} was written for other data ({recorded[1]!r}, now {data_id!r}); "
                              "resume on the same shards (--prompts), or use another folder to start again")
-        head = FeatureHead(target.config, state["head"]["draft_vocab"])
+        head = _blank_head(target, settings.head, settings.exit_layer, state["head"]["draft_vocab"])
         head.load_state_dict(state["head"])
         step = state["step"]
     else:
-        head, step, state = new_head(target, draft_vocabulary(sequences, settings.draft_vocab_size,
-                                                              target.vocab_size), settings.seed), 0, None
+        vocabulary = draft_vocabulary(sequences, settings.draft_vocab_size, target.vocab_size)
+        head = new_head(target, vocabulary, settings.seed, kind=settings.head, exit_layer=settings.exit_layer)
+        step, state = 0, None
     device = target.output.weight.device
     head = head.to(device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-    trainer = _Trainer(target, head)
+    trainer, collate = _trainer(target, head)
     index = _vocab_index(head, target.vocab_size)
 
     def save() -> None:
@@ -330,7 +424,7 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
         epoch, position = divmod(step, per_epoch)
         if epoch not in epoch_batches:
             epoch_batches = {epoch: _batches(sequences, settings.tokens_per_batch, settings.seed, epoch)}
-        batch = _collate(sequences, epoch_batches[epoch][position], index, device)
+        batch = collate(sequences, epoch_batches[epoch][position], index, device)
         for group in optimizer.param_groups:
             group["lr"] = settings.lr * _schedule(step, settings)
         loss, stats = trainer.losses(batch, settings)
@@ -377,7 +471,8 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
 
     Args:
         target: ``"smollm2"`` (SmolLM2-135M-Instruct, `load_smollm2`).
-        head: ``"feature"`` (`FeatureHead`).
+        head: ``"feature"`` (`FeatureHead`) or ``"early-exit"`` (`ExitHead` after
+            ``settings.exit_layer`` layers).
         data_dir, out_dir: default ``cache_dir()/draft-data-<target>`` and
             ``cache_dir()/draft-<head>-<target>``.
         max_minutes: wall-time budget of this piece (None: run to the end).
@@ -406,8 +501,8 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
 
     if target != "smollm2":
         raise ValueError(f"target must be 'smollm2', got {target!r}")
-    if head != "feature":
-        raise ValueError(f"head must be 'feature', got {head!r}")
+    if head not in ("feature", "early-exit"):
+        raise ValueError(f"head must be 'feature' or 'early-exit', got {head!r}")
     if not isinstance(data_batch_size, int) or isinstance(data_batch_size, bool) or data_batch_size < 1:
         raise ValueError(f"data_batch_size must be an int >= 1, got {data_batch_size!r}")
     if stage not in ("prompts", "data", "train", "all"):
@@ -419,7 +514,7 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
         save_prompts(prompts_file, train, held_out)
         log(f"prompts: {len(train)} training and {len(held_out)} held-out prompts written to {prompts_file}")
         return None
-    settings = settings or TrainSettings()
+    settings = dataclasses.replace(settings or TrainSettings(), head=head)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = Path(data_dir) if data_dir is not None else cache_dir() / f"draft-data-{target}"
     out_dir = Path(out_dir) if out_dir is not None else cache_dir() / f"draft-{head}-{target}"

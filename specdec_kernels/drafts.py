@@ -289,7 +289,8 @@ class EarlyExitDraft:
         ids, logits = self.last, []
         for i in range(num_tokens):
             # The cache holds every committed token but the last: after i drafts, at most longest + i.
-            logits.append(self._step(ids[:, -1:], self.cache, max_seqlen=self.longest + i, min_seqlen=None))
+            logits.append(self._logits(self._step(ids[:, -1:], self.cache, max_seqlen=self.longest + i,
+                                                  min_seqlen=None)))
             ids = torch.cat([ids, sample(logits[-1])[:, None]], 1)
         self.cache.crop(start)
         return DraftProposal(ids[:, 1:], None, torch.stack(logits, 1))
@@ -301,6 +302,11 @@ class EarlyExitDraft:
 
     def select(self, rows: torch.Tensor) -> None:
         self.last = self.last[rows]  # the loop selects the shared cache's rows
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, V] over the target's vocabulary from the draft model's (a subclass
+        with a pruned vocabulary widens them)."""
+        return logits
 
 
 def _tighter(own_bound: int, committed_bound: int | None) -> int:

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from specdec_kernels import FeatureHead, FeatureHeadDraft, generate, speculative_generate
+from specdec_kernels import ExitHead, ExitHeadDraft, FeatureHead, FeatureHeadDraft, generate, speculative_generate
 from specdec_kernels.draft_data import Shard, _features
 from specdec_kernels.draft_training import (
     TrainSettings,
@@ -393,6 +393,7 @@ def test_train_draft_writes_this_machines_prompts_for_another(tmp_path, capsys):
     (["--minutes", "0"], "--minutes must be > 0"),
     (["--steps", "-3"], "--steps must be > 0"),
     (["--prompts", "0"], "--prompts must be > 0"),
+    (["--head", "early-exit", "--exit-layer", "0"], "--exit-layer must be > 0"),
 ])
 def test_train_draft_refuses_bad_options(capsys, argv, message):
     from specdec_kernels.__main__ import main
@@ -456,3 +457,145 @@ def test_the_drafters_bookkeeping_follows_ragged_commits_plain_steps_and_select(
         alone = fresh.propose(3, lambda logits: logits.argmax(-1))
         assert torch.equal(proposal.token_ids[i], alone.token_ids[0])
         torch.testing.assert_close(proposal.logits[i], alone.logits[0], rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- early exit with a trained adapter
+
+def random_exit_head(target, vocab_size=V, seed=0, scale=1.0, exit_layer=1):
+    """An `ExitHead` with random weights (the adapter's output too) over ``vocab_size`` shuffled ids."""
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:vocab_size]
+    head = ExitHead(target.config, exit_layer, vocab)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in head.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.1 * scale)
+    return head.eval()
+
+
+def test_an_exit_heads_drafts_are_the_targets_first_layers_then_the_adapter(target):
+    """Each draft token's logits are those of a dense reference: the target's first layers over
+    the committed text and the drafts before it (a cache of their own), the adapter, the final
+    norm and the draft vocabulary's rows of the LM head; -inf outside the draft vocabulary."""
+    head = random_exit_head(target, 60, seed=2, scale=3.0)
+    input_ids, mask = ragged_prompts(B=3, P=6, seed=2)
+    K = 3
+    seen = []
+
+    class Recording(ExitHeadDraft):
+        def propose(self, num_tokens, sample):
+            proposal = super().propose(num_tokens, sample)
+            seen.append((self.cache.lengths.clone(), self.last.clone(), proposal))
+            return proposal
+
+    speculative_generate(target, Recording(target, head), input_ids, mask, num_draft_tokens=K, max_new_tokens=8,
+                         temperature=0, adaptive=False)
+    out = speculative_generate(target, ExitHeadDraft(target, head), input_ids, mask, num_draft_tokens=K,
+                               max_new_tokens=8, temperature=0, adaptive=False)
+    prompts = [row[m.bool()] for row, m in zip(input_ids, mask, strict=True)]
+    prefix = target.truncated(1)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[head.draft_vocab] = False
+    for lengths, last, proposal in seen[:3]:
+        for b in range(len(prompts)):
+            committed = torch.cat([prompts[b], out.tokens[b]])[:int(lengths[b]) + 1]
+            assert committed[-1] == last[b, 0]
+            text = torch.cat([committed, proposal.token_ids[b, :-1]])
+            with torch.no_grad():
+                _, hidden = prefix(text[None], prefix.new_cache(1, len(text)), return_hidden=True)
+                n = target.norm
+                expected = torch.nn.functional.rms_norm(head(hidden[0]), n.weight.shape, n.weight, n.eps) \
+                    @ target.output.weight[head.draft_vocab].T
+            got = proposal.logits[b]
+            torch.testing.assert_close(got[:, head.draft_vocab], expected[len(committed) - 1:], rtol=1e-4, atol=1e-4)
+            assert torch.isneginf(got[:, outside]).all()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("K", [1, 4])
+def test_greedy_speculation_with_an_exit_head_equals_generate(target, K, adaptive):
+    """Rows finishing at different steps; the draft writes in the target's cache, which stays the
+    target's: greedy tokens are `generate`'s, and drafts are accepted."""
+    ids, mask = ragged_prompts(B=6, seed=5)
+    plain = generate(target, ids, mask, max_new_tokens=20, temperature=0)
+    eos = int(plain.tokens[2, 3])
+    plain = generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=eos)
+    head = new_head(target, torch.arange(V), 0, kind="early-exit", exit_layer=1)  # the logit lens at layer 1
+    spec = speculative_generate(target, ExitHeadDraft(target, head), ids, mask, num_draft_tokens=K,
+                                max_new_tokens=20, temperature=0, eos_token_id=eos, adaptive=adaptive)
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert spec.stats.num_accepted.sum() > 0
+
+
+def test_sampling_with_an_exit_head_is_lossless():
+    from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
+
+    target = tiny_llama(seed=1, scale=4.0, vocab_size=64, layers=2, hidden=32, heads=4, kv_heads=1)
+    head = new_head(target, torch.arange(40), 0, kind="early-exit", exit_layer=1)
+    prompt = torch.tensor([3, 1, 4])
+    joint, marginal3 = exact_first_tokens_distribution(target, prompt)
+    out = speculative_generate(target, ExitHeadDraft(target, head.eval()), prompt.expand(6000, -1).contiguous(),
+                               num_draft_tokens=2, max_new_tokens=3, seed=7, adaptive=False, temperature=1.0)
+    t = out.tokens
+    assert chi_square_pvalue(torch.bincount(t[:, 0] * 64 + t[:, 1], minlength=64 * 64).reshape(64, 64), joint) \
+        > P_THRESHOLD
+    assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=64), marginal3) > P_THRESHOLD
+    assert out.stats.num_accepted.sum() > 0 and (t >= 40).any()
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
+def test_an_exit_head_on_a_packed_target_drafts_as_unpacked(target):
+    import copy
+
+    from specdec_kernels.matmul import MKL_PACKED_PLAN
+
+    packed = copy.deepcopy(target).pack_weights(plan=MKL_PACKED_PLAN)
+    input_ids, mask = ragged_prompts(B=3, P=6, seed=5)
+    drafters = [ExitHeadDraft(t, random_exit_head(target, 50, seed=2, scale=3.0)) for t in (target, packed)]
+    assert drafters[1].head.adapter.w13.plan is MKL_PACKED_PLAN and drafters[1].model.output.plan is MKL_PACKED_PLAN
+    assert drafters[0].head.adapter.w13.plan is None
+    outs = [speculative_generate(t, d, input_ids, mask, num_draft_tokens=3, max_new_tokens=10, temperature=0,
+                                 adaptive=False) for t, d in zip((target, packed), drafters, strict=True)]
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.equal(outs[0].stats.num_accepted, outs[1].stats.num_accepted)
+
+
+def test_an_exit_head_saves_loads_and_refuses_what_does_not_fit(target, tmp_path):
+    head = random_exit_head(target, 50, seed=4)
+    head.save(tmp_path / "exit.pt", dtype=torch.float32)
+    loaded = ExitHead.load(tmp_path / "exit.pt")
+    assert loaded.exit_layer == 1
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="exit.pt is not a feature draft head"):
+        FeatureHead.load(tmp_path / "exit.pt")
+    random_head(target).save(tmp_path / "feature.pt")
+    with pytest.raises(ValueError, match="feature.pt is not a early-exit draft head"):
+        ExitHead.load(tmp_path / "feature.pt")
+    with pytest.raises(ValueError, match="exit_layer must be an int in"):
+        ExitHead(target.config, 2, torch.arange(V))
+    with pytest.raises(TypeError, match="head must be an ExitHead"):
+        ExitHeadDraft(target, random_head(target))
+    with pytest.raises(ValueError, match="trained for another target"):
+        ExitHeadDraft(tiny_llama(seed=0, layers=2, hidden=32, heads=4, kv_heads=1), head)
+
+
+def test_exit_head_training_reduces_the_loss_raises_agreement_and_resumes(target, tmp_path):
+    sequences = load_sequences(_tiny_shards(target, tmp_path, count=2))
+    settings = TrainSettings(steps=30, tokens_per_batch=64, lr=3e-3, warmup=5, draft_vocab_size=64,
+                             checkpoint_every=1000, head="early-exit", exit_layer=1)
+    lens = new_head(target, draft_vocabulary(sequences, 64, V), 0, kind="early-exit", exit_layer=1)
+    before = evaluate(target, lens, sequences)
+    assert list(before) == ["top1_step1"]
+    head = train_head(target, sequences, tmp_path / "run", settings, log=lambda _: None)
+    assert isinstance(head, ExitHead)
+    assert evaluate(target, head, sequences)["top1_step1"] > before["top1_step1"] + 0.1
+    short = TrainSettings(**{**settings.__dict__, "steps": 4, "checkpoint_every": 2})
+    straight = train_head(target, sequences, tmp_path / "straight", short, log=lambda _: None)
+    train_head(target, sequences, tmp_path / "pieces", short, max_seconds=0.0, log=lambda _: None)
+    resumed = train_head(target, sequences, tmp_path / "pieces", short, log=lambda _: None)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="other settings"):
+        train_head(target, sequences, tmp_path / "pieces", TrainSettings(**{**short.__dict__, "head": "feature"}))
