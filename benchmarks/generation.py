@@ -550,8 +550,9 @@ def _run_total(stats, per_row: torch.Tensor) -> int:
 
 
 def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
-                head: str | None = None) -> str:
-    """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``) and
+                head: str | None = None, exit_head: str | None = None) -> str:
+    """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``), an
+    `ExitHead` file ``exit_head`` if given, and
     prompt lookup against our plain generate on held-out prompts (`held_out_prompts`; batch 1
     answers each in turn, a batch of b rows the first b), greedy at each batch size and sampled
     (temperature 0.7) at batch 1; fixed K and adaptive; every method
@@ -559,17 +560,20 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     tokens per target forward, the measured c and v, Leviathan's prediction and the efficiency
     (as in `table`, for fixed K), the mean draft length. A markdown table plus the machine line."""
     from benchmarks.timing import machine_line
-    from specdec_kernels import FeatureHead, FeatureHeadDraft, load_smollm2_draft
+    from specdec_kernels import ExitHead, ExitHeadDraft, FeatureHead, FeatureHeadDraft, load_smollm2_draft
 
     torch.manual_seed(0)
     setup = load_setup(pack)
     drafter = (load_smollm2_draft(setup.model) if head is None
                else FeatureHeadDraft(setup.model, FeatureHead.load(head)))
+    drafters = {"trained head": drafter, "prompt lookup": PromptLookupDraft()}
+    if exit_head is not None:
+        drafters["early-exit head"] = ExitHeadDraft(setup.model, ExitHead.load(exit_head))
     prompts = held_out_prompts()
     lines = []
     for B, temperature in [*((b, 0.0) for b in batch_sizes), (1, 0.7)]:
         methods = {"plain": (run_head, None, k, False, prompts, temperature)}
-        for name, draft in (("trained head", drafter), ("prompt lookup", PromptLookupDraft())):
+        for name, draft in drafters.items():
             for adaptive in (False, True):
                 methods[name, adaptive] = (run_head, draft, k, adaptive, prompts, temperature)
         median = _interleaved_medians(setup, methods, B, max_new_tokens, repeats)
@@ -676,10 +680,12 @@ if __name__ == "__main__":
                         help="the trained draft head and prompt lookup against plain generate on held-out prompts")
     parser.add_argument("--head", default=None, metavar="PATH",
                         help="--heads: a FeatureHead file instead of the shipped head")
+    parser.add_argument("--exit-head", default=None, metavar="PATH",
+                        help="--heads: an ExitHead file (train-draft --head early-exit) to compare too")
     args = parser.parse_args()
     if args.heads:
         print(heads_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
-                          head=args.head))
+                          head=args.head, exit_head=args.exit_head))
         raise SystemExit(0)
     if args.lookahead:
         configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else
