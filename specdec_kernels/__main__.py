@@ -338,8 +338,12 @@ def run_train_draft(args: argparse.Namespace) -> int:
     if args.stage == "prompts" and args.prompts_file is None:
         print("train-draft: --stage prompts writes the prompts to --prompts-file: pass one", file=sys.stderr)
         return 2
-    settings = TrainSettings(**{name: value for name, value in (("steps", args.steps),
-                                                                 ("exit_layer", args.exit_layer)) if value is not None})
+    if args.exit_layer is not None and args.head != "early-exit":
+        print("train-draft: --exit-layer is for --head early-exit", file=sys.stderr)
+        return 2
+    settings = TrainSettings(head=args.head, **{name: value for name, value in (("steps", args.steps),
+                                                                                ("exit_layer", args.exit_layer))
+                                                if value is not None})
     log = lambda line: print(time.strftime("%H:%M:%S"), line, flush=True)
     try:
         path = train_draft(target=args.target, head=args.head, data_dir=args.data_dir, out_dir=args.out_dir,

@@ -15,7 +15,7 @@ runs over the whole vocabulary, so speculative decoding stays lossless.
 `FeatureHeadDraft` is the head as a `Drafter` (``needs_target_hidden``): it follows the committed
 text in a one-layer KV cache of its own.
 
-`ExitHead` is early exit with a trained adapter (Kangaroo, seed 000's early-exit head): the
+`ExitHead` is early exit with a trained adapter (Kangaroo, Liu et al. 2024): the
 target's own first layers, then a small trained adapter block, then the target's final norm and
 (pruned) LM head. `ExitHeadDraft` drafts with it in the target's KV cache, as `EarlyExitDraft`
 does: the first layers' keys and values of committed tokens are the target's own.
@@ -38,7 +38,7 @@ from .drafts import DraftProposal, EarlyExitDraft, _tighter
 from .matmul import Linear
 from .model import Block, FeedForward, Llama, RMSNorm
 
-HEAD_FORMAT = 1  # version of the file layout `FeatureHead.save` writes
+HEAD_FORMAT = 1  # version of the file layout `FeatureHead.save` and `ExitHead.save` write
 DEFAULT_TREE_DEPTH = 4  # a tree's levels when `FeatureHeadDraft` is not told
 
 
@@ -163,7 +163,8 @@ def _load_head(path: str | os.PathLike, kind: str, build, dtype: torch.dtype, de
         head = build(data, data["state"]["draft_vocab"])
         head.load_state_dict(data["state"])
     except Exception as e:
-        raise ValueError(f"{path} is not a {kind} draft head this version reads ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{path} is not a draft head of kind {kind!r} that this version reads "
+                         f"({type(e).__name__}: {e})") from e
     return head.to(device=device, dtype=dtype).eval()
 
 
@@ -235,13 +236,13 @@ class FeatureHeadDraft:
             followed).
         branches: 1 for a chain (each token sampled with the run's ``sample``, its draft logits
             given to the verifier), or the children per expanded node of a tree.
-        depth: a tree's depth (head forwards after the first), capped by ``num_tokens``; None:
-            `DEFAULT_TREE_DEPTH`. Ignored for a chain.
+        depth: a tree's levels (one head forward each; the first reads the committed pairs),
+            capped by ``num_tokens``; None: `DEFAULT_TREE_DEPTH`. Ignored for a chain.
 
     Example::
 
-        head = load_smollm2_draft(target)                               # a chain
-        out = speculative_generate(target, head, input_ids, max_new_tokens=64, temperature=0)
+        chain = load_smollm2_draft(target)                              # a FeatureHeadDraft
+        out = speculative_generate(target, chain, input_ids, max_new_tokens=64, temperature=0)
         tree = load_smollm2_draft(target, branches=4)                   # trees of up to K nodes
         out = speculative_generate(target, tree, input_ids, num_draft_tokens=7, max_new_tokens=64)
     """
@@ -253,7 +254,14 @@ class FeatureHeadDraft:
             raise ValueError(f"branches must be an int >= 1, got {branches!r}")
         if depth is not None and (not is_int(depth) or depth < 1):
             raise ValueError(f"depth must be None or an int >= 1, got {depth!r}")
+        if not isinstance(head, FeatureHead):
+            raise TypeError(f"head must be a FeatureHead, got {type(head).__name__}")
         _check_head_fits(target, head)
+        if branches > len(head.draft_vocab):
+            raise ValueError(f"branches={branches} exceeds the head's draft vocabulary of {len(head.draft_vocab)} ids")
+        if branches > 1 and target.config.sliding_window is not None:
+            raise ValueError("token trees from a head need attention without a sliding window (the target has "
+                             f"sliding_window={target.config.sliding_window}); use branches=1")
         self.branches, self.depth = int(branches), DEFAULT_TREE_DEPTH if depth is None else int(depth)
         weight = target.output.weight
         self.target, self.head = target, head.to(device=weight.device, dtype=weight.dtype).eval()

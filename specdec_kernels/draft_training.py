@@ -22,7 +22,6 @@ the end of each piece) continues as if never stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import random
@@ -249,7 +248,8 @@ class _TokenBatch:
     top_ids: torch.Tensor    # [B, L, k]: draft-vocabulary index of the target's top ids at t, or -1
     top_probs: torch.Tensor  # [B, L, k]
     target_argmax: torch.Tensor  # [B, L]: the target's argmax at t (predicting token t + 1)
-    first: torch.Tensor      # [B]: the first position whose next token is drafted (prompt length - 1)
+    first: torch.Tensor      # [B]: the first position whose next token is drafted (the prompt length: the
+                             # token after the prompt is the target's own, from its prefill)
     lengths: torch.Tensor    # [B]: tokens per row
 
 
@@ -263,7 +263,7 @@ def _collate_tokens(sequences: list[_Sequence], index: list[int], vocab_index: t
         n = len(s.token_ids)
         tokens[b, :n], argmax[b, :n] = s.token_ids, s.top_ids[:, 0]
         top_ids[b, :n], top_probs[b, :n] = vocab_index[s.top_ids], s.top_logits.softmax(-1)
-    first = torch.tensor([s.prompt_length - 1 for s in rows])
+    first = torch.tensor([s.prompt_length for s in rows])
     lengths = torch.tensor([len(s.token_ids) for s in rows])
     return _TokenBatch(*(t.to(device) for t in (tokens, top_ids, top_probs, argmax, first, lengths)))
 
@@ -291,7 +291,7 @@ class _ExitTrainer:
         """The distillation loss over answer positions, and the top-1 agreement there (``top1_step1``)."""
         logits = self.logits(batch)
         position = torch.arange(logits.shape[1], device=logits.device)[None]
-        mask = (position >= batch.first[:, None]) & (position < batch.lengths[:, None] - 1)
+        mask = (position >= batch.first[:, None]) & (position < batch.lengths[:, None])
         count = mask.sum().clamp(min=1)
         loss = (_distillation(logits, batch.top_ids, batch.top_probs) * mask).sum() / count
         agree = (self.head.draft_vocab[logits.argmax(-1)] == batch.target_argmax) & mask
@@ -390,7 +390,7 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
         except Exception as e:
             raise ValueError(f"{checkpoint_path} is not a training checkpoint ({type(e).__name__}: {e}); delete it "
                              "to start again") from e
-        if recorded[0] != asdict(settings):
+        if {**asdict(TrainSettings()), **recorded[0]} != asdict(settings):  # fields added later: their defaults
             raise ValueError(f"{checkpoint_path} was written with other settings {state['settings']}; pass the "
                              "same settings to resume, or another folder to start again")
         if recorded[1] != data_id:
@@ -514,7 +514,9 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
         save_prompts(prompts_file, train, held_out)
         log(f"prompts: {len(train)} training and {len(held_out)} held-out prompts written to {prompts_file}")
         return None
-    settings = dataclasses.replace(settings or TrainSettings(), head=head)
+    settings = settings or TrainSettings(head=head)
+    if settings.head != head:
+        raise ValueError(f"head={head!r} but settings.head={settings.head!r}: pass the same kind")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = Path(data_dir) if data_dir is not None else cache_dir() / f"draft-data-{target}"
     out_dir = Path(out_dir) if out_dir is not None else cache_dir() / f"draft-{head}-{target}"
@@ -524,6 +526,9 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     if stage in ("data", "all"):  # a bad prompts file is named before the model loads
         train, held_out = build_prompts() if prompts_file is None else load_prompts(prompts_file)
     model, tokenizer = load_smollm2(device=device)
+    depth = model.config.num_hidden_layers
+    if settings.head == "early-exit" and not 1 <= settings.exit_layer < depth:
+        raise ValueError(f"exit_layer must be in [1, {depth - 1}] for {target}, got {settings.exit_layer}")
     if stage in ("data", "all"):
         if device == "cpu" and model.can_pack_weights():
             model.pack_weights()

@@ -614,10 +614,11 @@ def test_lookahead_on_cuda_equals_generate(adaptive):
         assert out.stats.num_accepted.sum() > 0  # candidates were verified and kept
 
 
+@pytest.mark.parametrize("branches", [1, 3])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_a_feature_head_on_cuda_keeps_greedy_tokens(adaptive):
-    """A feature draft head (`FeatureHeadDraft`) on CUDA: the target's hidden states flow to the
-    head's own cache each step, and the CPU's greedy tokens come out, as above."""
+def test_a_feature_head_on_cuda_keeps_greedy_tokens(adaptive, branches):
+    """A feature draft head (`FeatureHeadDraft`, chains and trees) on CUDA: the target's hidden
+    states flow to the head's own cache each step, and the CPU's greedy tokens come out, as above."""
     from specdec_kernels import FeatureHeadDraft
     from specdec_kernels.draft_training import new_head
 
@@ -626,10 +627,30 @@ def test_a_feature_head_on_cuda_keeps_greedy_tokens(adaptive):
     ids, mask = repetitive_prompts(B=4, seed=2)
     plain_cpu = generate(cpu_model, ids, mask, max_new_tokens=24, temperature=0)
     head = new_head(model, torch.arange(64), seed=0)
-    out = speculative_generate(model, FeatureHeadDraft(model, head), ids.cuda(), mask.cuda(), num_draft_tokens=3,
+    out = speculative_generate(model, FeatureHeadDraft(model, head, branches=branches), ids.cuda(), mask.cuda(),
+                               num_draft_tokens=5, max_new_tokens=24, temperature=0, adaptive=adaptive)
+    assert_cpu_greedy_tokens(cpu_model, ids, mask, plain_cpu.tokens, out.tokens)
+    assert out.stats.num_generated.tolist() == [24] * ids.shape[0]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_an_exit_head_on_cuda_keeps_greedy_tokens(adaptive):
+    """An early-exit head (`ExitHeadDraft`) on CUDA, its one-token forwards replayed as CUDA
+    graphs in the target's cache: the CPU's greedy tokens, and drafts accepted."""
+    from specdec_kernels import ExitHeadDraft
+    from specdec_kernels.draft_training import new_head
+
+    cpu_model = tiny_llama(seed=0, scale=3.0, layers=3)
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    ids, mask = repetitive_prompts(B=4, seed=2)
+    plain_cpu = generate(cpu_model, ids, mask, max_new_tokens=24, temperature=0)
+    head = new_head(model, torch.arange(64), seed=0, kind="early-exit", exit_layer=2)
+    out = speculative_generate(model, ExitHeadDraft(model, head), ids.cuda(), mask.cuda(), num_draft_tokens=3,
                                max_new_tokens=24, temperature=0, adaptive=adaptive)
     assert_cpu_greedy_tokens(cpu_model, ids, mask, plain_cpu.tokens, out.tokens)
     assert out.stats.num_generated.tolist() == [24] * ids.shape[0]
+    if not adaptive:
+        assert out.stats.num_accepted.sum() > 0
 
 
 def test_draft_shards_written_on_cuda_hold_the_cpu_features_and_train_there(tmp_path):

@@ -202,6 +202,7 @@ def test_sampling_with_a_head_is_lossless(branches, depth, K):
     (dict(branches=0), "branches must be an int >= 1"),
     (dict(branches=2.0), "branches must be an int >= 1"),
     (dict(branches=2, depth=0), "depth must be None or an int >= 1"),
+    (dict(branches=V + 1), "exceeds the head's draft vocabulary"),
 ])
 def test_bad_tree_options_are_refused(target, options, message):
     with pytest.raises(ValueError, match=message):
@@ -231,7 +232,7 @@ def test_a_saved_head_loads_to_the_same_drafts(target, tmp_path):
     for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     (tmp_path / "bad.pt").write_bytes(b"not a head")
-    with pytest.raises(ValueError, match="bad.pt is not a feature draft head"):
+    with pytest.raises(ValueError, match="bad.pt is not a draft head of kind 'feature'"):
         FeatureHead.load(tmp_path / "bad.pt")
 
 
@@ -394,6 +395,7 @@ def test_train_draft_writes_this_machines_prompts_for_another(tmp_path, capsys):
     (["--steps", "-3"], "--steps must be > 0"),
     (["--prompts", "0"], "--prompts must be > 0"),
     (["--head", "early-exit", "--exit-layer", "0"], "--exit-layer must be > 0"),
+    (["--exit-layer", "3"], "--exit-layer is for --head early-exit"),
 ])
 def test_train_draft_refuses_bad_options(capsys, argv, message):
     from specdec_kernels.__main__ import main
@@ -568,20 +570,22 @@ def test_an_exit_head_saves_loads_and_refuses_what_does_not_fit(target, tmp_path
     assert loaded.exit_layer == 1
     for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    with pytest.raises(ValueError, match="exit.pt is not a feature draft head"):
+    with pytest.raises(ValueError, match="exit.pt is not a draft head of kind 'feature'"):
         FeatureHead.load(tmp_path / "exit.pt")
     random_head(target).save(tmp_path / "feature.pt")
-    with pytest.raises(ValueError, match="feature.pt is not a early-exit draft head"):
+    with pytest.raises(ValueError, match="feature.pt is not a draft head of kind 'early-exit'"):
         ExitHead.load(tmp_path / "feature.pt")
     with pytest.raises(ValueError, match="exit_layer must be an int in"):
         ExitHead(target.config, 2, torch.arange(V))
     with pytest.raises(TypeError, match="head must be an ExitHead"):
         ExitHeadDraft(target, random_head(target))
+    with pytest.raises(TypeError, match="head must be a FeatureHead"):
+        FeatureHeadDraft(target, head)
     with pytest.raises(ValueError, match="trained for another target"):
         ExitHeadDraft(tiny_llama(seed=0, layers=2, hidden=32, heads=4, kv_heads=1), head)
 
 
-def test_exit_head_training_reduces_the_loss_raises_agreement_and_resumes(target, tmp_path):
+def test_exit_head_training_raises_agreement_and_resumes(target, tmp_path):
     sequences = load_sequences(_tiny_shards(target, tmp_path, count=2))
     settings = TrainSettings(steps=30, tokens_per_batch=64, lr=3e-3, warmup=5, draft_vocab_size=64,
                              checkpoint_every=1000, head="early-exit", exit_layer=1)
@@ -599,3 +603,46 @@ def test_exit_head_training_reduces_the_loss_raises_agreement_and_resumes(target
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="other settings"):
         train_head(target, sequences, tmp_path / "pieces", TrainSettings(**{**short.__dict__, "head": "feature"}))
+
+
+def test_exit_head_training_counts_the_positions_the_feature_head_does(target, tmp_path):
+    """Both kinds learn the target's distribution at the same positions (from the prompt length
+    on: the token after the prompt is the target's own): the same count, and the exit head's
+    distribution at position t is the target's own argmax there."""
+    from specdec_kernels.draft_training import _collate_tokens, _ExitTrainer, _vocab_index
+
+    sequences = load_sequences(_tiny_shards(target, tmp_path, count=1))
+    feature, exit_head = random_head(target), new_head(target, torch.arange(V), 0, kind="early-exit", exit_layer=1)
+    index = list(range(len(sequences)))
+    _, feature_stats = _Trainer(target, feature).losses(_collate(sequences, index, _vocab_index(feature, V)),
+                                                        TrainSettings(unroll=1))
+    batch = _collate_tokens(sequences, index, _vocab_index(exit_head, V))
+    _, exit_stats = _ExitTrainer(target, exit_head).losses(batch, TrainSettings())
+    assert exit_stats["positions_step1"] == feature_stats["positions_step1"] > 0
+    for b, s in enumerate(sequences):
+        logits = target(s.token_ids[None], target.new_cache(1, len(s.token_ids)))[0]
+        answer = slice(s.prompt_length, len(s.token_ids))
+        assert torch.equal(batch.target_argmax[b, answer], logits[answer].argmax(-1))
+        assert int(batch.first[b]) == s.prompt_length
+
+
+def test_train_draft_refuses_settings_of_another_head_kind():
+    from specdec_kernels.draft_training import train_draft
+
+    with pytest.raises(ValueError, match="head='feature' but settings.head='early-exit'"):
+        train_draft(head="feature", settings=TrainSettings(head="early-exit"), stage="train")
+
+
+def test_a_feature_checkpoint_from_before_the_exit_head_fields_resumes(target, tmp_path):
+    """A checkpoint whose settings lack fields added since (``head``, ``exit_layer``) resumes
+    with their defaults."""
+    sequences = load_sequences(_tiny_shards(target, tmp_path, count=1))
+    settings = TrainSettings(steps=2, tokens_per_batch=48, warmup=1, unroll=1, draft_vocab_size=50)
+    train_head(target, sequences, tmp_path / "run", TrainSettings(**{**settings.__dict__, "steps": 1}),
+               log=lambda _: None)
+    path = tmp_path / "run" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    state["settings"] = {k: v for k, v in settings.__dict__.items() if k not in ("head", "exit_layer")}
+    torch.save(state, path)
+    train_head(target, sequences, tmp_path / "run", settings, log=lambda _: None)
+    assert torch.load(path, weights_only=True)["step"] == 2
