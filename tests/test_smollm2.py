@@ -92,7 +92,8 @@ def test_greedy_speculative_equals_greedy_generate(smollm2):
     tokenizer.padding_side = "left"
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     plain = generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=24, temperature=0)
-    for draft in (PromptLookupDraft(), model.truncated(6), load_smollm2_draft(model)):  # the shipped head too
+    for draft in (PromptLookupDraft(), model.truncated(6), load_smollm2_draft(model),  # the shipped head too,
+                  load_smollm2_draft(model, branches=3)):  # and its trees
         for adaptive in (False, True):  # fixed K: every step drafts, so some drafts are accepted
             spec = speculative_generate(model, draft, enc.input_ids, enc.attention_mask, max_new_tokens=24,
                                         temperature=0, num_draft_tokens=4, adaptive=adaptive)
