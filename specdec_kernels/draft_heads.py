@@ -179,17 +179,20 @@ def _check_head_fits(target, head: FeatureHead | ExitHead) -> None:
         raise ValueError(f"the head was trained for another target: (head, target) differ in {diff}")
 
 
-def _head_model(target: Llama, head: FeatureHead) -> Llama:
-    """The head as a one-layer `Llama` over the target's embedding and final norm, with an LM head
-    of the draft vocabulary's rows (a copy: the target may lay out its own weight otherwise)."""
-    config = LlamaConfig(**{**asdict(target.config), "num_hidden_layers": 1, "vocab_size": len(head.draft_vocab),
+def _draft_model(target: Llama, layers: list[nn.Module], vocab: torch.Tensor) -> Llama:
+    """``layers`` as a `Llama` over the target's embedding and final norm, with an LM head of the
+    rows ``vocab`` of the target's (a copy: the target may lay out its own weight otherwise)."""
+    config = LlamaConfig(**{**asdict(target.config), "num_hidden_layers": len(layers), "vocab_size": len(vocab),
                             "tie_word_embeddings": False})
     model = Llama.__new__(Llama)
     nn.Module.__init__(model)
     model.config = config
     model.tok_embeddings, model.norm = target.tok_embeddings, target.norm
-    model.layers = nn.ModuleList([head.layer])
-    model.output = _pruned_output(target, head.draft_vocab)
+    model.layers = nn.ModuleList(layers)
+    weight = target.output.weight
+    model.output = Linear(config.hidden_size, config.vocab_size).to(weight)
+    with torch.no_grad():
+        model.output.weight.copy_(weight.index_select(0, vocab.to(weight.device)))
     model._inv_freq = None
     model.weights_lock = target.weights_lock
     return model.eval()
@@ -265,7 +268,7 @@ class FeatureHeadDraft:
         self.branches, self.depth = int(branches), DEFAULT_TREE_DEPTH if depth is None else int(depth)
         weight = target.output.weight
         self.target, self.head = target, head.to(device=weight.device, dtype=weight.dtype).eval()
-        self.model = _head_model(target, self.head)
+        self.model = _draft_model(target, [self.head.layer], self.head.draft_vocab)
         self.vocab = self.head.draft_vocab
         plan = getattr(target.output, "plan", None)
         if plan is not None:  # a packed target: the head's matmuls take the same forms
@@ -406,31 +409,6 @@ class _Adapter(nn.Module):
         return self.head(x)
 
 
-def _pruned_output(target: Llama, vocab: torch.Tensor) -> Linear:
-    """A copy of the rows ``vocab`` of the target's LM head (the target may lay out its own otherwise)."""
-    weight = target.output.weight
-    output = Linear(weight.shape[1], len(vocab)).to(weight)
-    with torch.no_grad():
-        output.weight.copy_(weight.index_select(0, vocab.to(weight.device)))
-    return output
-
-
-def _exit_model(target: Llama, head: ExitHead) -> Llama:
-    """The target's first ``head.exit_layer`` layers (shared), the adapter, the target's final
-    norm and the draft vocabulary's rows of its LM head, as one `Llama` over the target's cache."""
-    config = LlamaConfig(**{**asdict(target.config), "num_hidden_layers": head.exit_layer + 1,
-                            "vocab_size": len(head.draft_vocab), "tie_word_embeddings": False})
-    model = Llama.__new__(Llama)
-    nn.Module.__init__(model)
-    model.config = config
-    model.tok_embeddings, model.norm = target.tok_embeddings, target.norm
-    model.layers = nn.ModuleList([*target.layers[:head.exit_layer], _Adapter(head)])
-    model.output = _pruned_output(target, head.draft_vocab)
-    model._inv_freq = None
-    model.weights_lock = target.weights_lock
-    return model.eval()
-
-
 class ExitHeadDraft(EarlyExitDraft):
     """A `Drafter` from a trained `ExitHead`: the target's first layers, in the target's own KV
     cache (as `EarlyExitDraft`: no prefill, no committed token read twice), then the adapter and
@@ -456,7 +434,9 @@ class ExitHeadDraft(EarlyExitDraft):
         super().__init__(target, head.exit_layer, cuda_graphs=cuda_graphs)
         weight = target.output.weight
         self.head = head.to(device=weight.device, dtype=weight.dtype).eval()
-        self.model = _exit_model(target, self.head)
+        # The target's first layers (shared: they write the target's cache), then the adapter.
+        self.model = _draft_model(target, [*target.layers[:head.exit_layer], _Adapter(self.head)],
+                                  self.head.draft_vocab)
         self.vocab, self.vocab_size = self.head.draft_vocab, target.vocab_size
         plan = getattr(target.output, "plan", None)
         if plan is not None:  # a packed target: the head's matmuls take the same forms

@@ -167,6 +167,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
+def _final_norm(target: Llama, x: torch.Tensor) -> torch.Tensor:
+    """The frozen target's final norm of ``x`` [..., H], in float32."""
+    n = target.norm
+    return F.rms_norm(x, n.weight.shape, n.weight.detach().float(), n.eps)
+
+
+def _draft_rows(target: Llama, head: FeatureHead | ExitHead) -> torch.Tensor:
+    """[Vd, H] float32: the frozen target's LM-head rows of the head's draft vocabulary."""
+    return target.output.weight.detach().index_select(0, head.draft_vocab).float()
+
+
 class _Trainer:
     """The unrolled training forward of a head against a frozen target (dense, differentiable)."""
 
@@ -175,11 +186,10 @@ class _Trainer:
         config = target.config
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                     config.head_dim)
-        self.out_weight = target.output.weight.detach().index_select(0, head.draft_vocab).float()
+        self.out_weight = _draft_rows(target, head)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.target.norm
-        return F.rms_norm(x, n.weight.shape, n.weight.detach().float(), n.eps)
+        return _final_norm(self.target, x)
 
     def forward(self, batch: _Batch, unroll: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(draft-vocabulary logits [B, T, Vd], output features [B, T, H]) of unrolled steps 1 .. unroll."""
@@ -275,7 +285,7 @@ class _ExitTrainer:
     def __init__(self, target: Llama, head: ExitHead) -> None:
         self.target, self.head = target, head
         self.prefix = target.truncated(head.exit_layer)
-        self.out_weight = target.output.weight.detach().index_select(0, head.draft_vocab).float()
+        self.out_weight = _draft_rows(target, head)
 
     def logits(self, batch: _TokenBatch) -> torch.Tensor:
         """Draft-vocabulary logits [B, L, Vd] at every position."""
@@ -283,9 +293,7 @@ class _ExitTrainer:
         with torch.no_grad():
             _, hidden = self.prefix(batch.tokens, self.prefix.new_cache(B, L), batch.lengths, last_only=True,
                                     return_hidden=True)
-        n = self.target.norm
-        return F.rms_norm(self.head(hidden.float()), n.weight.shape, n.weight.detach().float(), n.eps) \
-            @ self.out_weight.T
+        return _final_norm(self.target, self.head(hidden.float())) @ self.out_weight.T
 
     def losses(self, batch: _TokenBatch, settings: TrainSettings) -> tuple[torch.Tensor, dict]:
         """The distillation loss over answer positions, and the top-1 agreement there (``top1_step1``)."""

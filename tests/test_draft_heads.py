@@ -172,23 +172,26 @@ def test_drafting_reads_what_the_unrolled_training_step_reads(target):
         torch.testing.assert_close(ran, trained, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("branches, depth, K", [(1, None, 2), (3, 2, 4)])
-def test_sampling_with_a_head_is_lossless(branches, depth, K):
+@pytest.mark.parametrize("kind, branches, K", [("feature", 1, 2), ("feature", 3, 4), ("early-exit", 1, 2)])
+def test_sampling_with_a_head_is_lossless(kind, branches, K):
     """Chi-square of the first three sampled tokens against the target's exact distribution,
-    with chains (sampled drafts) and trees (deterministic siblings, the point-mass rule)."""
+    with chains (sampled drafts), trees (deterministic siblings, the point-mass rule) and the
+    early-exit head."""
     from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
 
     small = dict(layers=2, hidden=32, heads=4, kv_heads=1)
     target = tiny_llama(seed=1, scale=4.0, vocab_size=64, **small)
     vocab = torch.arange(40)  # drafts never propose ids 40..63, which the target still samples
-    head = new_head(target, vocab, 0)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.mul_(8.0)
+    head = new_head(target, vocab, 0, kind=kind, exit_layer=1)
+    if kind == "feature":
+        with torch.no_grad():
+            for p in head.parameters():
+                p.mul_(8.0)
     prompt = torch.tensor([3, 1, 4])
     joint, marginal3 = exact_first_tokens_distribution(target, prompt)
     ids = prompt.expand(6000, -1).contiguous()
-    drafter = FeatureHeadDraft(target, head.eval(), branches=branches, depth=depth)
+    drafter = (FeatureHeadDraft(target, head.eval(), branches=branches, depth=2) if kind == "feature"
+               else ExitHeadDraft(target, head.eval()))
     out = speculative_generate(target, drafter, ids, num_draft_tokens=K, max_new_tokens=3, seed=7, adaptive=False,
                                temperature=1.0)
     t = out.tokens
@@ -528,22 +531,6 @@ def test_greedy_speculation_with_an_exit_head_equals_generate(target, K, adaptiv
                                 max_new_tokens=20, temperature=0, eos_token_id=eos, adaptive=adaptive)
     assert torch.equal(spec.tokens, plain.tokens)
     assert spec.stats.num_accepted.sum() > 0
-
-
-def test_sampling_with_an_exit_head_is_lossless():
-    from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
-
-    target = tiny_llama(seed=1, scale=4.0, vocab_size=64, layers=2, hidden=32, heads=4, kv_heads=1)
-    head = new_head(target, torch.arange(40), 0, kind="early-exit", exit_layer=1)
-    prompt = torch.tensor([3, 1, 4])
-    joint, marginal3 = exact_first_tokens_distribution(target, prompt)
-    out = speculative_generate(target, ExitHeadDraft(target, head.eval()), prompt.expand(6000, -1).contiguous(),
-                               num_draft_tokens=2, max_new_tokens=3, seed=7, adaptive=False, temperature=1.0)
-    t = out.tokens
-    assert chi_square_pvalue(torch.bincount(t[:, 0] * 64 + t[:, 1], minlength=64 * 64).reshape(64, 64), joint) \
-        > P_THRESHOLD
-    assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=64), marginal3) > P_THRESHOLD
-    assert out.stats.num_accepted.sum() > 0 and (t >= 40).any()
 
 
 @pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
