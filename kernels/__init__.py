@@ -6,7 +6,7 @@ them for the compile check (`import_all`).
 """
 
 # Each module here registers its launched specializations in `registry` on import.
-KERNEL_MODULES: tuple[str, ...] = ("attention", "cache", "sampling")
+KERNEL_MODULES: tuple[str, ...] = ("attention", "cache", "sampling", "tree_sampling")
 
 
 def import_all() -> None:

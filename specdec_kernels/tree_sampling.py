@@ -17,8 +17,9 @@ given the target's logits at the root (the row's last committed token) and at ev
 - **greedy** rows follow the first child equal to the target's argmax, then emit the argmax.
 
 The reference walks each row (`specdec_kernels.reference.tree_sampling`); the torch path below
-visits the nodes in order for all rows at once, with no host synchronization. There is no Triton
-kernel yet: ``backend="triton"`` (and ``"auto"`` on CUDA) runs the torch path on the device.
+visits the nodes in order for all rows at once, with no host synchronization; the Triton kernel
+(`specdec_kernels.kernels.tree_sampling`, the default on CUDA) walks each row in one program and
+reads a full vocabulary row only along the accepted path and at the node where the walk stops.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import NamedTuple
 
 import torch
 
-from ._backend import Dispatch
+from ._backend import Dispatch, resolve_backend
 from ._checks import check_tensor, device_check
 from ._logits import process_logits
 from ._noise import make_rejection_noise
-from ._sampling_checks import check_sampling_params
+from ._sampling_checks import _check_noise, check_sampling_params
 from ._sampling_torch import _chunk_sums, _pick
 from ._types import SAMPLE_CHUNK, RejectionNoise
 
@@ -56,17 +57,23 @@ class TreeRejectionOutput(NamedTuple):
 def _tree_rejection_sample_torch(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
                                  token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor | None,
                                  *, temperature: torch.Tensor, top_k: int | None, top_p: float | None,
-                                 greedy: torch.Tensor, noise: RejectionNoise | None, all_greedy: bool = False
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 greedy: torch.Tensor, generator: torch.Generator | None = None,
+                                 seed: int | torch.Tensor | None = None, noise: RejectionNoise | None = None,
+                                 all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Vectorized over rows: one pass over the node indices, each testing node i in the rows
     whose current node is its parent. Sync-free. When every row is greedy (``greedy`` all True
-    on the host's knowledge: ``all_greedy``), only the argmaxes are computed."""
+    on the host's knowledge: ``all_greedy``), only the argmaxes are computed and no random
+    number is drawn."""
     B, N1, V = target_logits.shape
     N, device = N1 - 1, target_logits.device
     n = torch.full((B,), N, dtype=torch.int64, device=device) if num_nodes is None else num_nodes.to(torch.int64)
     argmax = target_logits.argmax(-1)                                                         # [B, N+1]
     if all_greedy:
         return _greedy_walk(argmax, token_ids, parents, n)
+    if noise is None:
+        noise = make_rejection_noise(B, N, generator=generator, seed=seed, device=device)
+    elif noise.uniform is None:
+        raise ValueError("noise: the torch backend consumes noise.uniform ([B, 2] float32); it is None")
     p = process_logits(target_logits, temperature, top_k, top_p).float()                     # [B, N+1, V]
     q = None if draft_logits is None else process_logits(draft_logits, temperature, top_k, top_p).float()
     ids = token_ids.to(torch.int64).clamp(0, V - 1)
@@ -145,10 +152,10 @@ def _draw(w: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (c * C + i).squeeze(1).clamp_max(V - 1)
 
 
-_TREE_REJECTION_SAMPLE = Dispatch(  # no kernel yet: "triton" runs the torch path on the device
+_TREE_REJECTION_SAMPLE = Dispatch(
     reference="specdec_kernels.reference.tree_sampling:tree_rejection_sample",
     torch=_tree_rejection_sample_torch,
-    triton=_tree_rejection_sample_torch,
+    triton="specdec_kernels.kernels.tree_sampling:tree_rejection_sample_triton",
 )
 
 
@@ -205,13 +212,16 @@ def tree_rejection_sample(
             alike); temperature 0 verifies greedily.
         greedy: bool or ``[B]`` bool: rows verified by argmax.
         generator, seed, noise: the random inputs, as in `rejection_sample` (``noise``: ``accept``
-            ``[B, N]``, one uniform per node, and ``uniform`` ``[B, 2]``).
+            ``[B, N]``, one uniform per node; the final draw's ``uniform`` ``[B, 2]`` for the
+            reference and torch paths, ``exponential`` ``[B, V]`` for the Triton kernel, which the
+            reference then uses too).
         validate: check on the device (no host sync) that counts, parents and ids are in range
             and that every logits row the walk may read has a finite largest value. False is
             for callers that checked them already (`speculative_generate` does, deferring the
             error to its step's transfer on CUDA): out-of-range ids are then clamped, and rows
             without a distribution give meaningless tokens.
-        backend: ``"auto"``, ``"reference"``, ``"torch"``; ``"triton"`` runs the torch path.
+        backend: ``"auto"`` (``"triton"`` on CUDA, else ``"torch"``), ``"reference"``, ``"torch"``,
+            ``"triton"``.
 
     Returns:
         `TreeRejectionOutput`: ``token_ids`` ``[B, N+1]``, ``num_accepted`` ``[B]``, ``path``
@@ -267,15 +277,19 @@ def tree_rejection_sample(
         raise TypeError(f"validate must be True or False, got {validate!r}")
     if validate:
         _check_tree(target_logits, draft_logits, token_ids, parents, n)
-    if backend not in ("auto", "reference", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'reference', 'torch' or 'triton', got {backend!r}")
+    backend = resolve_backend(backend, device)
+    if noise is not None:
+        _check_noise(noise, B, N, V, device)
+        if backend == "triton" and noise.exponential is None:
+            raise ValueError("noise: the triton backend consumes noise.exponential ([B, V] float32); it is None")
+        if backend == "reference" and noise.uniform is None and noise.exponential is None:
+            raise ValueError("noise: the reference consumes noise.uniform ([B, 2]) or noise.exponential ([B, V]); "
+                             "both are None")
     if backend == "reference":
         noise = noise or make_rejection_noise(B, N, generator=generator, seed=seed, device=device)
         return TreeRejectionOutput(*_TREE_REJECTION_SAMPLE["reference"](
             target_logits, draft_logits, token_ids, parents, num_nodes, temperature=temperature, top_k=top_k,
             top_p=top_p, greedy=greedy, noise=noise))
-    if not all_greedy and noise is None:  # every row greedy: no random number is drawn
-        noise = make_rejection_noise(B, N, generator=generator, seed=seed, device=device)
-    return TreeRejectionOutput(*_TREE_REJECTION_SAMPLE["torch" if backend == "auto" else backend](
+    return TreeRejectionOutput(*_TREE_REJECTION_SAMPLE[backend](
         target_logits, draft_logits, token_ids, parents, num_nodes, temperature=temperature, top_k=top_k,
-        top_p=top_p, greedy=greedy, noise=noise, all_greedy=all_greedy))
+        top_p=top_p, greedy=greedy, generator=generator, seed=seed, noise=noise, all_greedy=all_greedy))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._types import RejectionNoise
-from .sampling import _sample_inverse_cdf, process_logits
+from .sampling import _sample_inverse_cdf, _sample_race, process_logits
 
 
 def tree_rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor | None, token_ids: torch.Tensor,
@@ -30,8 +30,9 @@ def tree_rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tenso
                           top_p: float | None = None, greedy: bool | torch.Tensor = False,
                           noise: RejectionNoise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(token_ids [B, N+1], num_accepted [B], path [B, N])`` as the op's
-    `TreeRejectionOutput`; ``noise``: ``accept`` [B, N] (node i's uniform) and ``uniform`` [B, 2]
-    (the final draw's two-level inverse CDF)."""
+    `TreeRejectionOutput`; ``noise``: ``accept`` [B, N] (node i's uniform), and for the final draw
+    ``exponential`` [B, V] (an exponential race, as the Triton kernel draws) or else ``uniform``
+    [B, 2] (the two-level inverse CDF)."""
     B, N1, V = target_logits.shape
     N = N1 - 1
     temps = temperature.tolist() if isinstance(temperature, torch.Tensor) else [temperature] * B
@@ -70,6 +71,8 @@ def tree_rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tenso
                 break
         if is_greedy:
             token = int(target_logits[b, node + 1].float().argmax())
+        elif noise.exponential is not None:
+            token = _sample_race(residual, noise.exponential[b].cpu())
         else:
             token = _sample_inverse_cdf(residual, noise.uniform[b].cpu())
         out_ids[b, : len(path)] = torch.tensor([ids[i] for i in path], dtype=torch.int64)
