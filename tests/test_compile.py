@@ -124,3 +124,31 @@ def test_sampling_launches_are_the_registered_specializations(monkeypatch):
             kernels.rejection_sample_logits_triton(target, draft, ids, None, False, 0.7, 5, 0.9, noise=noise)
     kernels.first_rejection_index_triton(torch.zeros(B, K, dtype=torch.bool), torch.tensor([3, 1]))
     assert assert_all_registered(recorder.launches) == _registered("sampling.")
+
+
+def test_tree_sampling_launches_are_the_registered_specializations(monkeypatch):
+    """Every tree sampler launch (with and without draft logits, filtered or not, greedy rows,
+    ragged counts, every kind of seed and explicit noise) is a registered spec, and every
+    registered spec is launched."""
+    from specdec_kernels.kernels import sampling, tree_sampling
+
+    from specdec_kernels import make_rejection_noise
+
+    recorder = LaunchRecorder(monkeypatch, tree_sampling, "_tree_rejection_sample_kernel")
+    LaunchRecorder(monkeypatch, sampling, "_logit_thresholds_kernel")  # run by the filtered calls, not recorded
+    B, N, V = 2, 3, 50
+    ids, parents = torch.zeros(B, N, dtype=torch.int64), torch.tensor([[-1, 0, 0], [-1, -1, 1]])
+    settings = [  # counts, seed, top_k, every row greedy
+        (None, 7, None, False), (torch.tensor([3, 1], dtype=torch.int32), -3, 5, False),
+        (torch.tensor([0, 3]), torch.tensor([1, 2]), None, False), (None, None, 5, False), (None, None, None, True)]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        target = torch.zeros(B, N + 1, V, dtype=dtype)
+        for draft in (None, torch.zeros(B, N, V, dtype=dtype)):
+            for n, seed, top_k, all_greedy in settings:
+                tree_sampling.tree_rejection_sample_triton(
+                    target, draft, ids, parents, n, temperature=torch.tensor([0.0, 0.7]), top_k=top_k, top_p=None,
+                    greedy=torch.tensor([True, False]), seed=seed, all_greedy=all_greedy)
+            tree_sampling.tree_rejection_sample_triton(
+                target, draft, ids, parents, None, temperature=torch.tensor([1.0, 1.0]), top_k=None, top_p=0.9,
+                greedy=torch.tensor([False, False]), noise=make_rejection_noise(B, N, V, seed=0))
+    assert assert_all_registered(recorder.launches) == _registered("tree_sampling.")

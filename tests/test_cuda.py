@@ -26,6 +26,7 @@ from specdec_kernels import (
     rejection_sample,
     rejection_sample_logits,
     speculative_generate,
+    tree_rejection_sample,
 )
 from specdec_kernels._checks import DeviceCheckError
 from specdec_kernels.sampling import make_rejection_noise
@@ -143,6 +144,24 @@ def test_rejection_sample_logits_matches_reference(dtype, filters):
                                      backend="triton", **kwargs)
     assert torch.equal(actual.num_accepted.cpu(), expected.num_accepted)
     assert torch.equal(actual.token_ids.cpu(), expected.token_ids)
+
+
+@pytest.mark.parametrize("drafts", ["sampled", "deterministic"])
+@pytest.mark.parametrize("dtype,temperature,filters", [(torch.float32, 1.0, {}), (torch.float16, 0.7, {"top_k": 5}),
+                                                       (torch.bfloat16, 0.8, {"top_p": 0.9})])
+def test_tree_rejection_sample_matches_reference(drafts, dtype, temperature, filters):
+    """The compiled tree kernel takes the reference's path and draws its token given the same noise."""
+    from test_tree_sampling import random_case
+
+    *args, greedy = random_case(24, 9, 2100, drafts, seed=5, dtype=dtype)
+    noise = make_rejection_noise(24, 9, 2100, seed=3)
+    expected = tree_rejection_sample(*args, greedy=greedy, temperature=temperature, noise=noise,
+                                     backend="reference", **filters)
+    actual = tree_rejection_sample(*cuda(*args), greedy=greedy.cuda(), temperature=temperature,
+                                   noise=type(noise)(*cuda(*noise)), backend="triton", **filters)
+    assert (expected.num_accepted > 0).any()
+    for name in ("token_ids", "num_accepted", "path"):
+        assert torch.equal(getattr(actual, name).cpu(), getattr(expected, name)), name
 
 
 @pytest.mark.parametrize("kind,fault,which,setting,validate", _no_token_cases())

@@ -1,7 +1,8 @@
-"""tree_rejection_sample: the torch path equals the reference walk token for token; greedy takes
-the longest path of argmaxes; sampling is lossless by chi-square on adversarial trees (sampled
-and deterministic siblings, equal and duplicate tokens, one-hot targets, a second level); bad
-input raises; no host sync."""
+"""tree_rejection_sample: the torch path and the Triton kernel (under the interpreter) equal the
+reference walk token for token; greedy takes the longest path of argmaxes; sampling is lossless by
+chi-square on adversarial trees (sampled and deterministic siblings, equal and duplicate tokens,
+one-hot targets, a second level); the kernel reads full vocabulary rows only along the accepted
+path and where the walk stops; bad input raises; no host sync."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import pytest
 import torch
 from test_sampling_distribution import P_THRESHOLD, chi_square_pvalue
 
-from specdec_kernels import DeviceCheckError, tree_rejection_sample
-from specdec_kernels.testing import SyncCounter
+from specdec_kernels import DeviceCheckError, make_rejection_noise, tree_rejection_sample
+from specdec_kernels._backend import interpreter_enabled, triton_available
+from specdec_kernels.testing import SyncCounter, TrafficMeter
+
+needs_interpreter = pytest.mark.skipif(not (triton_available() and interpreter_enabled()),
+                                       reason="the Triton kernel runs on CPU tensors under the interpreter")
 
 
 def random_parents(B: int, N: int, gen: torch.Generator) -> torch.Tensor:
@@ -21,20 +26,27 @@ def random_parents(B: int, N: int, gen: torch.Generator) -> torch.Tensor:
     return parents
 
 
-@pytest.mark.parametrize("drafts", ["sampled", "deterministic"])
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, 0.9), (0.0, None, None)])
-def test_torch_path_equals_the_reference(drafts, temperature, top_k, top_p):
-    gen = torch.Generator().manual_seed(1)
-    B, N, V = 24, 9, 300  # two vocabulary chunks in the final draw
+def random_case(B: int, N: int, V: int, drafts: str, seed: int, dtype: torch.dtype = torch.float32):
+    """Random trees whose tokens are often the target's argmax (long paths, equal siblings),
+    ragged node counts and a quarter of greedy rows: ``(target, draft, ids, parents, num_nodes,
+    greedy)``."""
+    gen = torch.Generator().manual_seed(seed)
     target = torch.randn(B, N + 1, V, generator=gen) * 2
     draft = torch.randn(B, N, V, generator=gen) * 2 if drafts == "sampled" else None
-    # Tokens near the target's argmax, so that paths get long.
     ids = torch.where(torch.rand(B, N, generator=gen) < 0.6, target[:, :N].argmax(-1),
                       torch.randint(0, V, (B, N), generator=gen))
     parents = random_parents(B, N, gen)
     num_nodes = torch.randint(0, N + 1, (B,), generator=gen)
     greedy = torch.rand(B, generator=gen) < 0.25
-    args = (target, draft, ids, parents, num_nodes)
+    return (target.to(dtype), None if draft is None else draft.to(dtype), ids, parents, num_nodes, greedy)
+
+
+@pytest.mark.parametrize("drafts", ["sampled", "deterministic"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 5, 0.9), (0.0, None, None)])
+def test_torch_path_equals_the_reference(drafts, temperature, top_k, top_p):
+    *args, greedy = random_case(24, 9, 300, drafts, seed=1)  # two vocabulary chunks in the final draw
+    target, draft, ids, parents, num_nodes = args
+    B = target.shape[0]
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, seed=7)
     ref = tree_rejection_sample(*args, **kw, backend="reference")
     out = tree_rejection_sample(*args, **kw, backend="torch")
@@ -49,6 +61,94 @@ def test_torch_path_equals_the_reference(drafts, temperature, top_k, top_p):
             assert int(parents[b, node]) == previous and node < int(num_nodes[b])
             previous = node
         assert out.token_ids[b, :j].tolist() == [int(ids[b, n]) for n in path[:j]]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("drafts", ["sampled", "deterministic"])
+@pytest.mark.parametrize("B,V,dtype,temperature,top_k,top_p", [
+    (24, 300, torch.float32, 1.0, None, None),
+    (6, 300, torch.float32, 0.7, 5, 0.9),
+    (12, 2100, torch.float16, 0.8, None, None),  # three vocabulary tiles
+    (12, 300, torch.bfloat16, 0.0, None, None),
+])
+def test_triton_kernel_equals_the_reference(drafts, B, V, dtype, temperature, top_k, top_p):
+    """Given the same uniforms and exponentials, the kernel takes the reference's path and draws
+    its token (greedy, sampled and filtered rows; duplicate and equal siblings; ragged counts)."""
+    *args, greedy = random_case(B, 9, V, drafts, seed=B + V, dtype=dtype)
+    noise = make_rejection_noise(B, 9, V, seed=3)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, noise=noise)
+    ref = tree_rejection_sample(*args, **kw, backend="reference")
+    out = tree_rejection_sample(*args, **kw, backend="triton")
+    assert torch.equal(out.token_ids, ref.token_ids) and torch.equal(out.path, ref.path)
+    assert torch.equal(out.num_accepted, ref.num_accepted)
+    assert (ref.num_accepted > 0).any() and (ref.num_accepted < args[4]).any()
+
+
+def _tested_children(parents: list[int], n: int, path: list[int]) -> list[tuple[int, bool]]:
+    """(node, accepted) of every node the walk tests, in order: the children of each path node
+    (and the root) up to the accepted one, then all children of the last."""
+    tested, node = [], -1
+    for nxt in path + [None]:
+        for i in range(node + 1, n):
+            if parents[i] == node:
+                tested.append((i, i == nxt))
+                if i == nxt:
+                    break
+        node = nxt
+    return tested
+
+
+def minimum_tree_bytes(target, draft, parents, num_nodes, greedy, out) -> int:
+    """Bytes the tree rule needs per row: parents and the outputs; greedy rows read each path
+    node's target row (and the root's) for its argmax. Sampled rows read a path node's target row
+    for its normalizer when a child of it is tested, gather the tested tokens' probabilities, read
+    each tested child's draft row for its normalizer, and draw the final token in one more pass
+    over the last node's row; with draft rows a rejection also reads the residual and the draft
+    row again and writes the new residual (float32), which the final draw then reads."""
+    B, N1, V = target.shape
+    N, es = N1 - 1, target.element_size()
+    row = V * es
+    total = 0
+    for b in range(B):
+        n, depth = int(num_nodes[b]), int(out.num_accepted[b])
+        path = out.path[b, :depth].tolist()
+        total += 8 + 1 + n * 8 + (2 * N + 1) * 8 + 8  # count, greedy flag, parents; outputs
+        tested = _tested_children(parents[b].tolist(), n, path)
+        if greedy[b]:
+            total += (depth + 1) * row + len(tested) * 8
+            continue
+        normalized = {int(parents[b, i]) for i, _ in tested}
+        total += len(normalized) * row + len(tested) * (8 + es) + row
+        if draft is not None:
+            total += len(tested) * (row + es)
+            scratch = False
+            for _, accepted in tested:
+                if accepted:
+                    scratch = False
+                    continue
+                total += (V * 4 if scratch else row) + row + V * 4
+                scratch = True
+            total += V * 4 - row if scratch else 0  # the final draw reads the residual instead
+    return total
+
+
+@needs_interpreter
+@pytest.mark.parametrize("drafts,dtype", [("deterministic", torch.float32), ("deterministic", torch.bfloat16),
+                                          ("sampled", torch.float32)])
+def test_triton_bytes_within_115_percent_of_minimum(drafts, dtype):
+    """The kernel reads full rows only where the rule needs them (`minimum_tree_bytes`): along the
+    accepted path and at the node where the walk stops, never the other nodes' rows."""
+    B, N, V = 6, 8, 4096
+    target, draft, ids, parents, num_nodes, greedy = random_case(B, N, V, drafts, seed=4, dtype=dtype)
+    greedy = torch.tensor([False, True, False, False, False, False])
+    with TrafficMeter() as meter:
+        out = tree_rejection_sample(target, draft, ids, parents, num_nodes, greedy=greedy, temperature=0.9,
+                                    seed=2, validate=False, backend="triton")
+    assert meter.num_launches == 1
+    minimum = minimum_tree_bytes(target, draft, parents, num_nodes, greedy, out)
+    assert meter.bytes_moved <= 1.15 * minimum, (meter, minimum)
+    every_row = target.numel() * target.element_size() + (0 if draft is None else draft.numel() * draft.element_size())
+    assert minimum < 0.6 * every_row, (minimum, every_row)  # the test tells reading every row apart
 
 
 def test_greedy_takes_the_longest_path_of_argmaxes():
@@ -82,12 +182,12 @@ def _pair(V: int, gen: torch.Generator, kind: str) -> tuple[torch.Tensor, torch.
 ROWS = 20000
 
 
-@pytest.mark.parametrize("kind", ["sampled-siblings", "one-hot-target", "q-disjoint", "deterministic-disjoint",
-                                  "deterministic-duplicates", "deterministic-all-equal"])
-@pytest.mark.parametrize("backend_name", ["torch", "reference"])
-def test_first_token_follows_the_target(kind, backend_name):
-    """Three children of the root: the emitted first token follows the target's distribution."""
-    rows = ROWS if backend_name == "torch" else 2000
+KINDS = ["sampled-siblings", "one-hot-target", "q-disjoint", "deterministic-disjoint", "deterministic-duplicates",
+         "deterministic-all-equal"]
+
+
+def _first_tokens(kind: str, rows: int, backend_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three children of the root: the emitted first tokens, and the target's distribution."""
     gen = torch.Generator().manual_seed(hash(kind) % 1000)
     V, m = 8, 3
     p, q = _pair(V, gen, kind)
@@ -102,7 +202,23 @@ def test_first_token_follows_the_target(kind, backend_name):
         ids = torch.multinomial(q, rows * m, replacement=True, generator=gen).view(rows, m)
     parents = torch.full((rows, m), -1, dtype=torch.int64)
     out = tree_rejection_sample(target, draft, ids, parents, seed=11, backend=backend_name)
-    first = out.token_ids[:, 0]
+    return out.token_ids[:, 0], p
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend_name", ["torch", "reference"])
+def test_first_token_follows_the_target(kind, backend_name):
+    """The emitted first token follows the target's distribution."""
+    first, p = _first_tokens(kind, ROWS if backend_name == "torch" else 2000, backend_name)
+    assert chi_square_pvalue(first, p) > P_THRESHOLD
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", ["sampled-siblings", "deterministic-duplicates"])
+def test_triton_first_token_follows_the_target(kind):
+    """The kernel with its own random numbers (on fewer rows: the interpreter is slow; its
+    equality with the reference given the same noise covers the other kinds)."""
+    first, p = _first_tokens(kind, 400, "triton")
     assert chi_square_pvalue(first, p) > P_THRESHOLD
 
 
@@ -165,9 +281,25 @@ def test_bad_input_raises():
         tree_rejection_sample(target, None, ids, parents, validate=1)
 
 
-def test_no_host_sync():
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_no_host_sync(backend_name):
+    if backend_name == "triton" and not (triton_available() and interpreter_enabled()):
+        pytest.skip("the Triton kernel runs on CPU tensors under the interpreter")
     target, ids = torch.randn(3, 5, 40), torch.randint(0, 40, (3, 4))
     parents = torch.tensor([[-1, 0, 0, 1]] * 3)
     with SyncCounter() as syncs:
-        tree_rejection_sample(target, torch.randn(3, 4, 40), ids, parents, torch.tensor([4, 2, 0]), seed=1)
+        tree_rejection_sample(target, torch.randn(3, 4, 40), ids, parents, torch.tensor([4, 2, 0]), seed=1,
+                              generator=None, top_k=5, backend=backend_name)
     assert syncs.count == 0, syncs.events
+
+
+def test_explicit_noise_must_fit_the_backend():
+    target, ids, parents = torch.randn(2, 4, 10), torch.zeros(2, 3, dtype=torch.int64), torch.full((2, 3), -1)
+    with pytest.raises(ValueError, match="noise.accept"):
+        tree_rejection_sample(target, None, ids, parents, noise=make_rejection_noise(2, 2))
+    with pytest.raises(ValueError, match="noise.uniform"):
+        tree_rejection_sample(target, None, ids, parents, backend="torch",
+                              noise=make_rejection_noise(2, 3, 10)._replace(uniform=None))
+    if triton_available() and interpreter_enabled():
+        with pytest.raises(ValueError, match="noise.exponential"):
+            tree_rejection_sample(target, None, ids, parents, noise=make_rejection_noise(2, 3), backend="triton")
