@@ -37,7 +37,7 @@ def random_case(B: int, N: int, V: int, drafts: str, seed: int, dtype: torch.dty
     ids = torch.where(torch.rand(B, N, generator=gen) < 0.6, target[:, :N].argmax(-1),
                       torch.randint(0, V, (B, N), generator=gen))
     if drafts == "duplicates":
-        target[..., :3] += 4
+        target[..., :3] += 8
         ids = torch.randint(0, 3, (B, N), generator=gen)
     parents = random_parents(B, N, gen)
     num_nodes = torch.randint(0, N + 1, (B,), generator=gen)
