@@ -27,8 +27,8 @@ import torch
 BACKENDS = ("reference", "torch", "triton")
 
 # Public ops that dispatch through `resolve_backend` (printed by `python -m specdec_kernels`).
-OPS = ("rejection_sample", "rejection_sample_logits", "first_rejection_index", "ragged_attention",
-       "KVCache.append")
+OPS = ("rejection_sample", "rejection_sample_logits", "tree_rejection_sample", "first_rejection_index",
+       "ragged_attention", "KVCache.append")
 
 
 @functools.cache
