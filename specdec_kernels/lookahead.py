@@ -103,26 +103,57 @@ class NgramPool:
         return self._pool.get(key, [])
 
 
+#: A probe (a lookahead step the estimates advise against) may add at most this share to the
+#: time of the plain steps since the last lookahead step.
+PROBE_SHARE = 1 / 50
+#: The gain starts as this many (forgotten) samples of 0, so that the first few lucky matches
+#: do not start lookahead steps on text that rarely repeats.
+GAIN_PRIOR_SAMPLES = 4
+#: A lookahead step must promise this many times a plain step's tokens per second: near a tie
+#: the estimates' noise would make the choice a coin toss that costs more than it gains.
+MARGIN = 1.05
+
+
 class LookaheadSwitch:
-    """Each step, a lookahead step or a plain one (one token per row), from what the run measured:
-    the seconds of each kind of step (forgotten exponentially, `COST_DECAY` per sample), and the
-    tokens a row with candidates gained beyond the one every step gives (forgotten by `DECAY`).
-    A lookahead step is taken while ``(1 + gain * share) / seconds`` beats a plain step's
-    ``1 / seconds``, ``share`` the running rows with candidates this step. Each kind is timed
-    before the first choice (lookahead steps once a row has candidates; the first step of each
-    kind, one-time costs, is not counted); a lookahead step probes again after plain steps whose
-    cost the probe's extra time would add to by at most a twentieth. ``adaptive=False``: always
-    lookahead. Host arithmetic on the numbers the loop's transfer brings: no synchronization.
+    """Each step, a lookahead step or a plain one (one token per row), from what the run measured.
+
+    - **Gain**: the tokens a row with candidates gains beyond the one every step gives (forgotten
+      by `DECAY`, starting from `GAIN_PRIOR_SAMPLES` samples of 0). Lookahead steps measure it.
+      Plain steps measure it too, in the shadow: the candidates a row had at a plain step are
+      compared, once it has committed as many tokens more, with what it committed; their longest
+      common prefix is what verifying them would have accepted greedily (and, sampling, a first
+      candidate token is accepted as often as it is sampled). So the switch learns whether the
+      pools know the text without paying for lookahead steps to find out.
+    - **Cost**: the seconds of a plain step, and of each token a lookahead step adds to it
+      (forgotten by `COST_DECAY`; the first step of each kind, which pays one-time costs, is not
+      counted). Until a lookahead step is timed, a token is priced at the prefill's seconds per
+      token beyond a plain step's, so that a batch where wide steps cannot pay never runs one.
+    - **Choice**: plain steps until one is timed; then a lookahead step when a row has candidates
+      and ``(1 + gain * share) * plain_seconds >= MARGIN * lookahead_seconds``, ``share`` the
+      running rows with candidates; else a probe once the plain steps since the last lookahead
+      step took 1 / `PROBE_SHARE` times the extra seconds a lookahead step is expected to cost.
+
+    ``adaptive=False``: always lookahead. Host arithmetic on the numbers and tokens the loop's
+    transfer brings: no synchronization.
     """
 
-    def __init__(self, adaptive: bool) -> None:
-        self.adaptive = adaptive
-        self.seconds = {True: [0.0, 0.0], False: [0.0, 0.0]}  # kind -> forgotten sums: seconds, samples
+    def __init__(self, adaptive: bool, ngram: int) -> None:
+        self.adaptive, self.length = adaptive, ngram - 1
+        self.plain = [0.0, 0.0]          # forgotten sums: plain step seconds, samples
+        self.per_token = [0.0, 0.0]      # forgotten sums: a lookahead step's seconds per added token, samples
+        self.prefill_per_token = 0.0     # the prior of per_token
+        self.prefill: tuple[float, int, int] | None = None  # seconds, tokens, rows
         self.seen = {True: 0, False: 0}
-        self.gain = [0.0, 0.0]           # forgotten sums: tokens gained beyond one, rows with candidates
-        self.step: tuple[bool, list[bool]] | None = None  # the running step: its kind, rows with candidates
+        self.gain = [0.0, float(GAIN_PRIOR_SAMPLES)]  # forgotten sums: tokens gained beyond one, rows with candidates
+        self.pending: dict[int, list[tuple[int, list[tuple[int, ...]]]]] = {}  # row -> (text length, candidates)
+        self.step: tuple[bool, list[bool], int, int] | None = None  # kind, rows with candidates, tokens, rows
         self.plain_run = 0
         self.slow_calls = GraphedForward.slow_calls  # graphed forwards that did not replay, so far
+
+    def prefilled(self, seconds: float, tokens: int, rows: int) -> None:
+        """The prefill's seconds over ``tokens`` prompt tokens in ``rows`` rows: the price of a
+        lookahead step's tokens until one is timed (once a plain step is)."""
+        self.prefill = (seconds, tokens, rows)
 
     def observe(self, seconds: float, gained: list[int]) -> None:
         """The last step's seconds (target forward and sampling) and each of its rows' tokens
@@ -131,33 +162,75 @@ class LookaheadSwitch:
         slow_calls, self.slow_calls = self.slow_calls, GraphedForward.slow_calls
         if self.step is None:
             return
-        (kind, had), self.step = self.step, None
+        (kind, had, tokens, rows), self.step = self.step, None
         self.seen[kind] += 1
         if self.seen[kind] > 1 and slow_calls == self.slow_calls:
-            total = self.seconds[kind]
-            total[0], total[1] = COST_DECAY * total[0] + seconds, COST_DECAY * total[1] + 1
-        if kind and any(had):
-            rows = [g for g, h in zip(gained, had, strict=True) if h]
-            self.gain[0] = DECAY ** len(rows) * self.gain[0] + sum(rows)
-            self.gain[1] = DECAY ** len(rows) * self.gain[1] + len(rows)
+            if not kind:
+                self.plain[0], self.plain[1] = COST_DECAY * self.plain[0] + seconds, COST_DECAY * self.plain[1] + 1
+                if self.plain[1] == 1 and self.prefill is not None:
+                    t, n, b = self.prefill
+                    self.prefill_per_token = max(0.0, t - seconds) / max(n - b, 1)
+            elif self.plain[1] and tokens > rows:
+                extra = max(0.0, seconds - self._plain_seconds()) / (tokens - rows)
+                self.per_token = [COST_DECAY * self.per_token[0] + extra, COST_DECAY * self.per_token[1] + 1]
+        if kind:
+            self._gained([g for g, h in zip(gained, had, strict=True) if h])
 
-    def choose(self, has_candidates: list[bool]) -> bool:
-        """Whether the next step is a lookahead step, given which running rows have candidates."""
-        share = sum(has_candidates) / len(has_candidates)
+    def choose(self, rows: list[int], candidates: list[list[tuple[int, ...]]], texts: list[list[int]],
+               tokens: int) -> bool:
+        """Whether the next step is a lookahead step. ``rows``: the running input rows;
+        ``candidates[i]``: row ``rows[i]``'s candidates; ``texts[row]``: each row's committed
+        tokens; ``tokens``: the lookahead step's input tokens, all rows together."""
+        self._resolve(rows, texts)
+        has = [bool(c) for c in candidates]
+        share = sum(has) / len(has)
         if not self.adaptive:
             choice = True
-        elif self.seconds[True][1] == 0 or self.seconds[False][1] == 0:
-            # Time each kind (after its first step) first; a lookahead step only where a row has
-            # candidates (without any it cannot gain this step).
-            choice = self.seconds[True][1] == 0 and share > 0
+        elif not self.plain[1] or not share:
+            choice = False  # plain steps are timed first; without candidates nothing can be gained
         else:
-            lookahead_s, plain_s = (t / n for t, n in (self.seconds[True], self.seconds[False]))
-            gain = self.gain[0] / self.gain[1] if self.gain[1] else 1.0  # before any measure: hopeful
-            probe = share > 0 and self.plain_run * plain_s >= 20 * (lookahead_s - plain_s)
-            choice = (1 + gain * share) / lookahead_s >= 1 / plain_s or probe
+            plain_s = self._plain_seconds()
+            per_token = self.per_token[0] / self.per_token[1] if self.per_token[1] else self.prefill_per_token
+            lookahead_s = plain_s + per_token * max(0, tokens - len(rows))
+            gain = self.gain[0] / self.gain[1]
+            probe = self.plain_run * plain_s * PROBE_SHARE >= lookahead_s - plain_s
+            choice = (1 + gain * share) * plain_s >= MARGIN * lookahead_s or probe
+        if not choice:  # measure in the shadow what verifying the candidates would have gained
+            for row, c in zip(rows, candidates, strict=True):
+                if c:
+                    self.pending.setdefault(row, []).append((len(texts[row]), c))
         self.plain_run = 0 if choice else self.plain_run + 1
-        self.step = (choice, has_candidates)
+        self.step = (choice, has, tokens if choice else len(rows), len(rows))
         return choice
+
+    def _plain_seconds(self) -> float:
+        return self.plain[0] / self.plain[1]
+
+    def _gained(self, samples: list[int]) -> None:
+        self.gain[0] = DECAY ** len(samples) * self.gain[0] + sum(samples)
+        self.gain[1] = DECAY ** len(samples) * self.gain[1] + len(samples)
+
+    def _resolve(self, rows: list[int], texts: list[list[int]]) -> None:
+        """Score the shadow candidates of running rows that have committed enough tokens since;
+        finished rows' are dropped."""
+        samples, pending = [], {}
+        for row in rows:
+            waiting = []
+            for start, cands in self.pending.get(row, []):
+                after = texts[row][start: start + self.length]
+                if len(after) < self.length:
+                    waiting.append((start, cands))
+                    continue
+                samples.append(max(_common_prefix(c, after) for c in cands))
+            if waiting:
+                pending[row] = waiting
+        self.pending = pending
+        self._gained(samples)
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` (of equal lengths) share."""
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def lookahead_mask(window: int, ngram: int) -> torch.Tensor:
@@ -294,7 +367,8 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     stats.target_forwards += 1
     new, accepted = token[:, None], torch.zeros_like(rows)
     grams = torch.empty(B, 0, L + 1, dtype=torch.int64, device=device)
-    switch = LookaheadSwitch(adaptive)
+    switch = LookaheadSwitch(adaptive, L + 1)
+    prompt_tokens, first_step = sum(map(len, texts)), True
     with stream:
         while True:
             kept, done = outputs.write(rows, new, accepted + 1, request.eos)
@@ -318,14 +392,20 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                 for j in range(0, per_row, L + 1):
                     pools[row].add(tuple(flat[j: j + L + 1]))
                 candidates.append(pools[row].continuations(texts[row][-1])[:G])
-            switch.observe(timer.last("target") + timer.last("sampler"), gained)
+            if first_step:  # the prefill's time is known after the first transfer
+                switch.prefilled(timer.last("prefill"), prompt_tokens, B)
+                first_step = False
+            else:
+                switch.observe(timer.last("target") + timer.last("sampler"), gained)
             if not running:
                 break
             if len(running) < len(rows):
                 _, rows, host_rows, cache, token, levels = _keep_running(running, rows, host_rows, cache, token,
                                                                          levels)
             b = len(running)
-            if not switch.choose([bool(c) for c in candidates]):
+            trees = [candidate_tree(c) for c in candidates]
+            n = max(len(tokens) for tokens, _ in trees)
+            if not switch.choose(host_rows, candidates, texts, b * (P + n)):
                 with timer("target"):
                     logits = plain_step(token[:, None], cache, max_seqlen=longest + 1, min_seqlen=shortest + 1)
                 stats.target_forwards += 1
@@ -336,9 +416,7 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                 stats.num_steps[rows] += 1
                 stats.draft_lengths[host_rows, 0] += 1
                 continue
-            trees = [candidate_tree(c) for c in candidates]
             num_nodes = [len(tokens) for tokens, _ in trees]
-            n = max(num_nodes)
             for row, count in zip(host_rows, num_nodes, strict=True):
                 stats.draft_lengths[row, count] += 1  # steps by candidate tokens verified
             T = P + n

@@ -9,7 +9,15 @@ import torch
 from test_sampling_distribution import chi_square_pvalue
 
 from specdec_kernels import generate, lookahead_generate
-from specdec_kernels.lookahead import NgramPool, _ancestors, candidate_tree, lookahead_mask
+from specdec_kernels._draft_lengths import DECAY
+from specdec_kernels.lookahead import (
+    GAIN_PRIOR_SAMPLES,
+    LookaheadSwitch,
+    NgramPool,
+    _ancestors,
+    candidate_tree,
+    lookahead_mask,
+)
 from specdec_kernels.model import tree_depths
 from specdec_kernels.testing import SyncCounter
 
@@ -213,3 +221,50 @@ def test_a_non_bool_adaptive_is_refused(target):
     ids, mask = ragged_prompts(B=2)
     with pytest.raises(TypeError, match="adaptive must be True or False"):
         lookahead_generate(target, ids, mask, max_new_tokens=4, adaptive="yes")
+
+
+def _switch_after_two_plain_steps(prefill_seconds: float, plain_seconds: float = 0.01) -> LookaheadSwitch:
+    """A switch for one row (N = 3) whose plain steps are timed, after a 101-token prefill."""
+    switch = LookaheadSwitch(adaptive=True, ngram=3)
+    switch.prefilled(prefill_seconds, 101, 1)
+    text = [1, 2, 3]
+    for _ in range(2):  # the first plain step is not timed
+        assert not switch.choose([0], [[]], [text], 5)
+        switch.observe(plain_seconds, [0])
+    return switch
+
+
+def test_the_switch_learns_the_gain_in_the_shadow_of_plain_steps():
+    """Candidates a row had at a plain step are scored once it has committed as many tokens:
+    their longest common prefix with what it committed."""
+    switch = _switch_after_two_plain_steps(prefill_seconds=100.0)  # wide steps priced out: plain
+    texts = {0: [1, 2, 3]}
+    assert not switch.choose([0], [[(4, 5), (4, 9)]], texts, 7)
+    switch.observe(0.01, [0])
+    texts[0] += [4]
+    assert not switch.choose([0], [[(7, 7)]], texts, 7)  # one token committed since: not scored yet
+    assert switch.gain[0] == 0
+    switch.observe(0.01, [0])
+    texts[0] += [9]  # (4, 9) matches both committed tokens; (7, 7) waits for a second token
+    switch.choose([0], [[]], texts, 5)
+    assert switch.gain == pytest.approx([2.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
+    texts[0] += [7]
+    switch.choose([0], [[]], texts, 5)
+    assert switch.gain == pytest.approx([2.0 * DECAY, GAIN_PRIOR_SAMPLES * DECAY ** 2 + DECAY + 1])  # a 0
+
+
+def test_the_switch_takes_lookahead_steps_only_where_they_pay():
+    cheap = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.0001)  # a token: 1% of a plain step
+    costly = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.01)   # a token: a plain step
+    for switch in (cheap, costly):
+        switch.gain = [8.0, 8.0]  # every row with candidates gains a token
+    assert not cheap.choose([0], [[]], {0: [1, 2, 3]}, 5)  # nothing to verify
+    cheap.observe(0.01, [0])
+    assert cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4]}, 7)
+    assert not costly.choose([0], [[(4, 5)]], {0: [1, 2, 3]}, 7)
+    # Once a lookahead step is timed, its own cost decides: here it costs 6 plain steps.
+    cheap.observe(0.02, [1])  # the first lookahead step: not timed
+    assert cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4, 5, 6]}, 7)
+    cheap.observe(0.06, [1])
+    assert not cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4, 5, 6, 7, 8]}, 7)
+    assert LookaheadSwitch(adaptive=False, ngram=3).choose([0], [[]], {0: [1]}, 5)
