@@ -451,15 +451,20 @@ def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), r
 
 def run_lookahead(setup: Setup, batch_size: int, max_new_tokens: int, config: tuple | None, prompts=PROMPTS):
     """One greedy run of our plain generate (``config`` None) or `lookahead_generate` with
-    ``config = (window, ngram, guesses, adaptive)``."""
+    ``config = (window, ngram, guesses, adaptive)``: at batch 1 on every prompt in turn
+    (`_one_at_a_time`), else one batch of the first ``batch_size`` prompts."""
     from specdec_kernels import lookahead_generate
 
-    ids, mask = encode(setup, batch_size, prompts)
-    if config is None:
-        return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
-    window, ngram, guesses, adaptive = config
-    return lookahead_generate(setup.model, ids, mask, window=window, ngram=ngram, guesses=guesses,
-                              adaptive=adaptive, max_new_tokens=max_new_tokens)
+    def run(ids, mask):
+        if config is None:
+            return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+        window, ngram, guesses, adaptive = config
+        return lookahead_generate(setup.model, ids, mask, window=window, ngram=ngram, guesses=guesses,
+                                  adaptive=adaptive, max_new_tokens=max_new_tokens)
+
+    if batch_size == 1:
+        return _one_at_a_time([run(*encode(setup, 1, (prompt,))) for prompt in prompts])
+    return run(*encode(setup, batch_size, prompts))
 
 
 LOOKAHEAD_CONFIGS = ((1, 4, 4), (2, 3, 4), (4, 4, 4))
@@ -470,7 +475,8 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
                     random_weights: str | None = None) -> str:
     """`lookahead_generate` (each (window, ngram, guesses), fixed and adaptive) against our plain
     generate on the demo prompts (copy-heavy: code to rewrite, a list to copy, a sentence to
-    repeat) and on open questions (`OPEN_PROMPTS`); greedy, every method ``repeats`` times,
+    repeat) and on open questions (`OPEN_PROMPTS`), batch 1 answering each prompt in turn;
+    greedy, every method ``repeats`` times,
     interleaved; tokens per target forward and wall-clock speedup, medians; each run's tokens
     are checked against plain's (`_greedy_rows_note`). A markdown table plus the machine line."""
     from benchmarks.timing import machine_line
@@ -485,7 +491,8 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
             plain_s, plain = median[None]
             for m in methods[1:]:
                 seconds, out = median[m]
-                note = _greedy_rows_note(setup, B, prompts, out, plain, dtype, f"lookahead_generate{m}")
+                note = _greedy_rows_note(setup, B if B > 1 else len(prompts), prompts, out, plain, dtype,
+                                         f"lookahead_generate{m}")
                 w, n, g, adaptive = m
                 verified = out.stats.num_proposed.sum() / out.stats.num_steps.sum()
                 lines.append(f"| {B} | {name} | {w}, {n}, {g} | {'adaptive' if adaptive else 'fixed'} | "

@@ -106,8 +106,8 @@ class NgramPool:
 #: A probe (a lookahead step the estimates advise against) may add at most this share to the
 #: time of the plain steps since the last lookahead step.
 PROBE_SHARE = 1 / 50
-#: The gain starts as this many (forgotten) samples of 0, so that the first few lucky matches
-#: do not start lookahead steps on text that rarely repeats.
+#: The shadow's gain starts as this many (forgotten) samples of 0, so that the first few lucky
+#: matches do not start lookahead steps on text that rarely repeats.
 GAIN_PRIOR_SAMPLES = 4
 #: A lookahead step must promise this many times a plain step's tokens per second: near a tie
 #: the estimates' noise would make the choice a coin toss that costs more than it gains.
@@ -118,12 +118,15 @@ class LookaheadSwitch:
     """Each step, a lookahead step or a plain one (one token per row), from what the run measured.
 
     - **Gain**: the tokens a row with candidates gains beyond the one every step gives (forgotten
-      by `DECAY`, starting from `GAIN_PRIOR_SAMPLES` samples of 0). Lookahead steps measure it.
+      by `DECAY`). Lookahead steps measure it (from one sample of 0 on).
       Plain steps measure it too, in the shadow: the candidates a row had at a plain step are
       compared, once it has committed as many tokens more, with what it committed; their longest
       common prefix is what verifying them would have accepted greedily (and, sampling, a first
       candidate token is accepted as often as it is sampled). So the switch learns whether the
-      pools know the text without paying for lookahead steps to find out.
+      pools know the text without paying for lookahead steps to find out (from
+      `GAIN_PRIOR_SAMPLES` samples of 0 on, so that a few lucky matches start nothing). The two
+      are kept apart and the larger counts: the shadow sees only the text's n-grams, lookahead
+      steps also verify those their window found.
     - **Cost**: the seconds of a plain step, and of each token a lookahead step adds to it
       (forgotten by `COST_DECAY`; the first step of each kind, which pays one-time costs, is not
       counted). Until a lookahead step is timed, a token is priced at the prefill's seconds per
@@ -144,7 +147,9 @@ class LookaheadSwitch:
         self.prefill_per_token = 0.0     # the prior of per_token
         self.prefill: tuple[float, int, int] | None = None  # seconds, tokens, rows
         self.seen = {True: 0, False: 0}
-        self.gain = [0.0, float(GAIN_PRIOR_SAMPLES)]  # forgotten sums: tokens gained beyond one, rows with candidates
+        # Forgotten sums (tokens gained beyond one, rows with candidates) of lookahead steps and
+        # of the shadow of plain steps.
+        self.gain = {True: [0.0, 1.0], False: [0.0, float(GAIN_PRIOR_SAMPLES)]}
         self.pending: dict[int, list[tuple[int, list[tuple[int, ...]]]]] = {}  # row -> (text length, candidates)
         self.step: tuple[bool, list[bool], int, int] | None = None  # kind, rows with candidates, tokens, rows
         self.plain_run = 0
@@ -174,7 +179,7 @@ class LookaheadSwitch:
                 extra = max(0.0, seconds - self._plain_seconds()) / (tokens - rows)
                 self.per_token = [COST_DECAY * self.per_token[0] + extra, COST_DECAY * self.per_token[1] + 1]
         if kind:
-            self._gained([g for g, h in zip(gained, had, strict=True) if h])
+            self._gained(True, [g for g, h in zip(gained, had, strict=True) if h])
 
     def choose(self, rows: list[int], candidates: list[list[tuple[int, ...]]], texts: list[list[int]],
                tokens: int) -> bool:
@@ -192,7 +197,7 @@ class LookaheadSwitch:
             plain_s = self._plain_seconds()
             per_token = self.per_token[0] / self.per_token[1] if self.per_token[1] else self.prefill_per_token
             lookahead_s = plain_s + per_token * max(0, tokens - len(rows))
-            gain = self.gain[0] / self.gain[1]
+            gain = max(total / weight for total, weight in self.gain.values())
             probe = self.plain_run * plain_s * PROBE_SHARE >= lookahead_s - plain_s
             choice = (1 + gain * share) * plain_s >= MARGIN * lookahead_s or probe
         if not choice:  # measure in the shadow what verifying the candidates would have gained
@@ -206,9 +211,10 @@ class LookaheadSwitch:
     def _plain_seconds(self) -> float:
         return self.plain[0] / self.plain[1]
 
-    def _gained(self, samples: list[int]) -> None:
-        self.gain[0] = DECAY ** len(samples) * self.gain[0] + sum(samples)
-        self.gain[1] = DECAY ** len(samples) * self.gain[1] + len(samples)
+    def _gained(self, kind: bool, samples: list[int]) -> None:
+        gain = self.gain[kind]
+        gain[0] = DECAY ** len(samples) * gain[0] + sum(samples)
+        gain[1] = DECAY ** len(samples) * gain[1] + len(samples)
 
     def _resolve(self, rows: list[int], texts: list[list[int]]) -> None:
         """Score the shadow candidates of running rows that have committed enough tokens since;
@@ -225,7 +231,7 @@ class LookaheadSwitch:
             if waiting:
                 pending[row] = waiting
         self.pending = pending
-        self._gained(samples)
+        self._gained(False, samples)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:

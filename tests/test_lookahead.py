@@ -243,21 +243,21 @@ def test_the_switch_learns_the_gain_in_the_shadow_of_plain_steps():
     switch.observe(0.01, [0])
     texts[0] += [4]
     assert not switch.choose([0], [[(7, 7)]], texts, 7)  # one token committed since: not scored yet
-    assert switch.gain[0] == 0
+    assert switch.gain[False][0] == 0
     switch.observe(0.01, [0])
     texts[0] += [9]  # (4, 9) matches both committed tokens; (7, 7) waits for a second token
     switch.choose([0], [[]], texts, 5)
-    assert switch.gain == pytest.approx([2.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
+    assert switch.gain[False] == pytest.approx([2.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
     texts[0] += [7]
     switch.choose([0], [[]], texts, 5)
-    assert switch.gain == pytest.approx([2.0 * DECAY, GAIN_PRIOR_SAMPLES * DECAY ** 2 + DECAY + 1])  # a 0
+    assert switch.gain[False] == pytest.approx([2.0 * DECAY, GAIN_PRIOR_SAMPLES * DECAY ** 2 + DECAY + 1])  # a 0
 
 
 def test_the_switch_takes_lookahead_steps_only_where_they_pay():
     cheap = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.0001)  # a token: 1% of a plain step
     costly = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.01)   # a token: a plain step
     for switch in (cheap, costly):
-        switch.gain = [8.0, 8.0]  # every row with candidates gains a token
+        switch.gain[True] = [8.0, 8.0]  # every row with candidates gained a token in lookahead steps
     assert not cheap.choose([0], [[]], {0: [1, 2, 3]}, 5)  # nothing to verify
     cheap.observe(0.01, [0])
     assert cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4]}, 7)
