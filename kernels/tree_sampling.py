@@ -3,7 +3,7 @@ program per batch row.
 
 The program walks its row's nodes in index order (topological), as the torch path does, testing
 node i when its parent is the current node. Full vocabulary rows are read only where the rule
-needs them:
+needs them (without top-k / top-p; a filter's thresholds launch reads every row first):
 
 - **greedy** rows: the target row of each node on the accepted path (root included), once, for
   its argmax;
@@ -14,7 +14,9 @@ needs them:
   repeated token is rejected by a scan of the earlier siblings' ids. Sampled children read their
   draft row for its normalizer, and a rejection writes ``max(r - q * mass, 0)`` to a float32
   scratch row (two slots, so that a rejection leaving no mass keeps the previous residual, as the
-  torch path and the reference do);
+  torch path and the reference do; no test reaches that case). The mass of deterministic
+  children is kept by subtraction, where the torch path sums the residual again: they may
+  differ by rounding;
 - the final token of a sampled row: one pass over the last node's target row (an exponential race
   in log space, ``argmax l / T - log E`` over kept entries, the rejected siblings' tokens
   excluded), or over the scratch residual (``argmax w / E``).
@@ -59,15 +61,18 @@ from .sampling import (
     logit_thresholds_triton,
 )
 
-#: Nodes handled per vector step (sibling scans, excluded tokens, output stores; any N works).
+#: Nodes handled per vector step (sibling scans, output stores; any N works).
 BN = 16
+#: Excluded tokens compared per vector step with a vocabulary tile (a [BV, BX] compare in registers).
+BX = 4
 
 
 @triton.jit
 def _earlier_sibling_has(p_par, p_ids, c, i, x, V, BN: tl.constexpr):
-    """1 if a node before ``i`` with parent ``c`` has token ``x`` (ids clamped to ``[0, V)``), else 0."""
+    """1 if a node before ``i`` with parent ``c`` has token ``x`` (ids clamped to ``[0, V)``), else 0.
+    Children come after their parent: the scan starts at ``c + 1``."""
     dup = i * 0
-    for j0 in range(0, i, BN):
+    for j0 in range(c + 1, i, BN):
         o_j = j0 + tl.arange(0, BN)
         m_j = o_j < i
         b_par = tl.load(p_par + o_j, mask=m_j, other=-2)
@@ -137,6 +142,7 @@ def _tree_rejection_sample_kernel(
     temp_scalar,
     HAS_DRAFT: tl.constexpr,
     BN: tl.constexpr,
+    BX: tl.constexpr,
     BV: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
@@ -173,28 +179,30 @@ def _tree_rejection_sample_kernel(
         parent = tl.load(p_par + node, mask=node < n, other=-2)
         if parent == c:
             x = tl.minimum(tl.maximum(tl.load(p_ids + node), 0), V - 1)
+            p_c = p_t + (c + 1).to(tl.int64) * stride_tk   # the current node's target row
+            p_q = p_d + node.to(tl.int64) * stride_dk      # this node's draft row
             accept = x == am
             if sampled:
                 if has_norm == 0:
                     thr_c = tl.load(p_thr + c + 1, mask=filtered, other=float("-inf"))
-                    m_t, s_t = _row_normalizer(p_t + (c + 1) * stride_tk, V, D, thr_c, BV)
+                    m_t, s_t = _row_normalizer(p_c, V, D, thr_c, BV)
                     has_norm = n * 0 + 1
-                p_x = _prob_at(p_t + (c + 1) * stride_tk, x, x >= 0, D, thr_c, m_t, s_t)
+                p_x = _prob_at(p_c, x, x >= 0, D, thr_c, m_t, s_t)
                 u_noise = tl.load(accept_ptr + i_b * N + node, mask=noisy, other=1.0)
                 u = tl.where(noisy, u_noise, _accept_uniform(seed, node))
                 if HAS_DRAFT:
                     thr_q = tl.load(thr_d_ptr + i_b * N + node, mask=filtered, other=float("-inf"))
-                    m_q, s_q = _row_normalizer(p_d + node * stride_dk, V, D, thr_q, BV)
-                    q_x = _prob_at(p_d + node * stride_dk, x, x >= 0, D, thr_q, m_q, s_q)
+                    m_q, s_q = _row_normalizer(p_q, V, D, thr_q, BV)
+                    q_x = _prob_at(p_q, x, x >= 0, D, thr_q, m_q, s_q)
                     r_x = tl.load(p_res + slot * V + x, mask=in_scratch != 0, other=0.0)
                     r_x = tl.where(in_scratch != 0, r_x, p_x)
                     accept = (q_x > 0) & (u * q_x * mass <= r_x)
                     rejected = ~accept
                     if rejected:
                         dst = tl.where(in_scratch != 0, 1 - slot, 0)
-                        left = _residual_pass(p_t + (c + 1) * stride_tk, p_d + node * stride_dk, p_res + slot * V,
-                                              p_res + dst * V, in_scratch, V, D, thr_c, m_t, s_t, thr_q, m_q, s_q,
-                                              mass, BV)
+                        left = _residual_pass(p_c, p_q, p_res + slot * V, p_res + dst * V, in_scratch, V, D, thr_c,
+                                              m_t, s_t, thr_q, m_q, s_q, mass, BV)
+                        tl.debug_barrier()  # the scratch row is read by other threads next
                         moved = left > 0  # else keep the previous residual (exact arithmetic never gets here)
                         slot = tl.where(moved, dst, slot)
                         in_scratch = tl.where(moved, 1, in_scratch)
@@ -210,7 +218,8 @@ def _tree_rejection_sample_kernel(
                 tl.store(token_ptr + i_b * (N + 1) + depth, x.to(tl.int64))
                 depth += 1
                 c = node
-                am, _ = _row_argmax(p_t + (node + 1) * stride_tk, tl.where(sampled, 0, V), 1.0, float("-inf"), BV)
+                p_next = p_t + (node + 1).to(tl.int64) * stride_tk
+                am, _ = _row_argmax(p_next, tl.where(sampled, 0, V), 1.0, float("-inf"), BV)
                 has_norm = n * 0
                 mass = 1.0
                 in_scratch = n * 0
@@ -219,13 +228,12 @@ def _tree_rejection_sample_kernel(
     # current node's kept entries without its (all rejected) children's tokens; the latter without
     # exclusion is the fallback when nothing else is left.
     thr_c = tl.load(p_thr + c + 1, mask=filtered & sampled, other=float("-inf"))
+    p_last = p_t + (c + 1).to(tl.int64) * stride_tk
     V_s = tl.where(sampled, V, 0)
     V_scr = tl.where(in_scratch != 0, V_s, 0)
     V_row = V_s - V_scr
     V_noise = tl.where(noisy, V_s, 0)
-    n_ex = tl.where(V_row == 0, 0, n)
-    if HAS_DRAFT:
-        n_ex = n * 0
+    n_ex = tl.where((V_row == 0) | (has_norm == 0), 0, n)  # a sampled row's last node had tested children
     best_w = -1.0
     idx_w = 0
     best_l = float("-inf")
@@ -239,18 +247,19 @@ def _tree_rejection_sample_kernel(
         b_w = tl.load(p_res + slot * V + o_v, mask=o_v < V_scr, other=0.0)
         s_w = tl.where(b_w > 0, b_w / b_e, -1.0)
         best_w, idx_w = _merge_max(best_w, idx_w, s_w, v0)
-        b_l = _scaled(tl.load(p_t + (c + 1) * stride_tk + o_v, mask=o_v < V_row, other=float("-inf")), D)
+        b_l = _scaled(tl.load(p_last + o_v, mask=o_v < V_row, other=float("-inf")), D)
         s_l = tl.where((o_v < V_row) & (b_l >= thr_c) & (b_l > float("-inf")), b_l - tl.log(b_e), float("-inf"))
         best_l, idx_l = _merge_max(best_l, idx_l, s_l, v0)
-        excluded = o_v < 0
-        for j0 in range(0, n_ex, BN):
-            o_j = j0 + tl.arange(0, BN)
-            m_j = o_j < n_ex
-            b_par = tl.load(p_par + o_j, mask=m_j, other=-2)
-            b_ids = tl.minimum(tl.maximum(tl.load(p_ids + o_j, mask=m_j, other=-1), 0), V - 1)
-            b_ex = tl.where(b_par == c, b_ids, -1)
-            excluded = excluded | (tl.sum((o_v[:, None] == b_ex[None, :]).to(tl.int32), 1) > 0)
-        best_x, idx_x = _merge_max(best_x, idx_x, tl.where(excluded, float("-inf"), s_l), v0)
+        if not HAS_DRAFT:
+            excluded = o_v < 0
+            for j0 in range(c + 1, n_ex, BX):
+                o_j = j0 + tl.arange(0, BX)
+                m_j = o_j < n_ex
+                b_par = tl.load(p_par + o_j, mask=m_j, other=-2)
+                b_ids = tl.minimum(tl.maximum(tl.load(p_ids + o_j, mask=m_j, other=-1), 0), V - 1)
+                b_ex = tl.where(b_par == c, b_ids, -1).to(tl.int32)
+                excluded = excluded | (tl.max((o_v[:, None] == b_ex[None, :]).to(tl.int32), 1) > 0)
+            best_x, idx_x = _merge_max(best_x, idx_x, tl.where(excluded, float("-inf"), s_l), v0)
     tok_race = tl.where(best_x > float("-inf"), idx_x, idx_l)
     # A scratch residual has mass > 0, so some w > 0 wins its race.
     tok = tl.where(sampled, tl.where(in_scratch != 0, idx_w, tok_race), am)
@@ -270,8 +279,8 @@ def _tree_rejection_sample_kernel(
 def _config(dtype: torch.dtype, has_draft: bool) -> tuple[str, dict[str, object], int]:
     """Spec name, constexprs and num_warps the launcher uses."""
     tag = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    return (f"tree_sampling.logits[{tag},draft={int(has_draft)},BN={BN},BV={BV}]",
-            dict(HAS_DRAFT=has_draft, BN=BN, BV=BV), NUM_WARPS)
+    return (f"tree_sampling.logits[{tag},draft={int(has_draft)},BN={BN},BX={BX},BV={BV}]",
+            dict(HAS_DRAFT=has_draft, BN=BN, BX=BX, BV=BV), NUM_WARPS)
 
 
 def _signature(dtype: torch.dtype) -> dict[str, str]:
@@ -282,7 +291,7 @@ def _signature(dtype: torch.dtype) -> dict[str, str]:
                 "token_ptr": "*i64", "num_acc_ptr": "*i64", "path_ptr": "*i64"}
     ints = {"N": "i32", **dict.fromkeys(_ROW_SHAPES[1:], "i32"), "use_noise": "i32", **dict.fromkeys(_FLAGS, "i32"),
             "has_thr": "i32", "has_temp_rows": "i32", "temp_scalar": "fp32"}
-    return {**pointers, **ints, "HAS_DRAFT": "constexpr", "BN": "constexpr", "BV": "constexpr"}
+    return {**pointers, **ints, "HAS_DRAFT": "constexpr", "BN": "constexpr", "BX": "constexpr", "BV": "constexpr"}
 
 
 for _dtype in DTYPES:
@@ -320,7 +329,8 @@ def tree_rejection_sample_triton(
     and ``greedy`` ``[B]`` tensors). Explicit ``noise`` must carry ``exponential`` ``[B, V]``; without
     it, uniforms and exponentials come from a counter-based RNG in registers (seeds from ``seed``,
     or drawn from ``generator``: one small launch). Sampled children use a ``[B, 2, V]`` float32
-    scratch residual, allocated only when draft logits are given.
+    scratch residual, allocated on every call with draft logits (``8 B V`` bytes: 311 MB at
+    B = 256, V = 152k).
     """
     B, N1, V = target_logits.shape
     N, device = N1 - 1, target_logits.device

@@ -19,7 +19,8 @@ given the target's logits at the root (the row's last committed token) and at ev
 The reference walks each row (`specdec_kernels.reference.tree_sampling`); the torch path below
 visits the nodes in order for all rows at once, with no host synchronization; the Triton kernel
 (`specdec_kernels.kernels.tree_sampling`, the default on CUDA) walks each row in one program and
-reads a full vocabulary row only along the accepted path and at the node where the walk stops.
+reads full target rows only along the accepted path and at the node where the walk stops (and
+the draft rows of the nodes it tests; with top-k / top-p, a thresholds launch reads every row).
 """
 
 from __future__ import annotations
@@ -213,8 +214,9 @@ def tree_rejection_sample(
         greedy: bool or ``[B]`` bool: rows verified by argmax.
         generator, seed, noise: the random inputs, as in `rejection_sample` (``noise``: ``accept``
             ``[B, N]``, one uniform per node; the final draw's ``uniform`` ``[B, 2]`` for the
-            reference and torch paths, ``exponential`` ``[B, V]`` for the Triton kernel, which the
-            reference then uses too).
+            reference and torch paths, ``exponential`` ``[B, V]`` for the Triton kernel; given
+            ``exponential`` the reference races with it as the kernel does, so it then draws
+            other final tokens than the torch path from the same noise).
         validate: check on the device (no host sync) that counts, parents and ids are in range
             and that every logits row the walk may read has a finite largest value. False is
             for callers that checked them already (`speculative_generate` does, deferring the

@@ -146,7 +146,7 @@ def test_rejection_sample_logits_matches_reference(dtype, filters):
     assert torch.equal(actual.token_ids.cpu(), expected.token_ids)
 
 
-@pytest.mark.parametrize("drafts", ["sampled", "deterministic"])
+@pytest.mark.parametrize("drafts", ["sampled", "deterministic", "duplicates"])
 @pytest.mark.parametrize("dtype,temperature,filters", [(torch.float32, 1.0, {}), (torch.float16, 0.7, {"top_k": 5}),
                                                        (torch.bfloat16, 0.8, {"top_p": 0.9})])
 def test_tree_rejection_sample_matches_reference(drafts, dtype, temperature, filters):
