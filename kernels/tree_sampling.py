@@ -40,6 +40,7 @@ from specdec_kernels._types import RejectionNoise
 
 from .registry import KernelSpec, register, torch_dtype_to_triton
 from .sampling import (
+    _DTYPE_TAG,
     _FLAGS,
     _ROW_SHAPES,
     BV,
@@ -278,8 +279,7 @@ def _tree_rejection_sample_kernel(
 
 def _config(dtype: torch.dtype, has_draft: bool) -> tuple[str, dict[str, object], int]:
     """Spec name, constexprs and num_warps the launcher uses."""
-    tag = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    return (f"tree_sampling.logits[{tag},draft={int(has_draft)},BN={BN},BX={BX},BV={BV}]",
+    return (f"tree_sampling.logits[{_DTYPE_TAG[dtype]},draft={int(has_draft)},BN={BN},BX={BX},BV={BV}]",
             dict(HAS_DRAFT=has_draft, BN=BN, BX=BX, BV=BV), NUM_WARPS)
 
 

@@ -16,7 +16,8 @@ from specdec_kernels import DeviceCheckError, make_rejection_noise, rejection_sa
 from specdec_kernels._backend import interpreter_enabled, triton_available
 from specdec_kernels.testing import SyncCounter, TrafficMeter
 
-needs_interpreter = pytest.mark.skipif(not (triton_available() and interpreter_enabled()),
+INTERPRETED = triton_available() and interpreter_enabled()  # the Triton kernel runs on CPU tensors
+needs_interpreter = pytest.mark.skipif(not INTERPRETED,
                                        reason="the Triton kernel runs on CPU tensors under the interpreter")
 
 
@@ -342,7 +343,7 @@ def test_bad_input_raises():
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_no_host_sync(backend_name):
-    if backend_name == "triton" and not (triton_available() and interpreter_enabled()):
+    if backend_name == "triton" and not INTERPRETED:
         pytest.skip("the Triton kernel runs on CPU tensors under the interpreter")
     target, ids = torch.randn(3, 5, 40), torch.randint(0, 40, (3, 4))
     parents = torch.tensor([[-1, 0, 0, 1]] * 3)
@@ -359,6 +360,6 @@ def test_explicit_noise_must_fit_the_backend():
     with pytest.raises(ValueError, match="noise.uniform"):
         tree_rejection_sample(target, None, ids, parents, backend="torch",
                               noise=make_rejection_noise(2, 3, 10)._replace(uniform=None))
-    if triton_available() and interpreter_enabled():
+    if INTERPRETED:
         with pytest.raises(ValueError, match="noise.exponential"):
             tree_rejection_sample(target, None, ids, parents, noise=make_rejection_noise(2, 3), backend="triton")
