@@ -109,28 +109,41 @@ def encode(setup: Setup, batch_size: int, prompts: tuple[str, ...] = PROMPTS):
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
-def make_drafter(setup: Setup, draft: str, batch_size: int, max_new_tokens: int, k: int):
+def make_drafter(setup: Setup, draft: str, batch_size: int, max_new_tokens: int, k: int,
+                 prompts: tuple[str, ...] = PROMPTS):
     """``"prompt_lookup"``, ``"layers"`` (the target's first DRAFT_LAYERS layers, in its cache) or ``"oracle"``
-    (the target's own greedy continuation, computed beforehand: every draft is accepted)."""
+    (the target's own greedy continuation of ``prompts``, computed beforehand: every draft is accepted)."""
     if draft == "prompt_lookup":
         return PromptLookupDraft()
     if draft == "layers":
         return EarlyExitDraft(setup.model, DRAFT_LAYERS, cuda_graphs=setup.cuda_graphs)
-    ids, mask = encode(setup, batch_size)
+    ids, mask = encode(setup, batch_size, prompts)
     truth = generate(setup.model, ids, mask, max_new_tokens=max_new_tokens + k, temperature=0)
     return OracleDraft(truth.tokens)
 
 
-def run_ours(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int = 4, adaptive: bool = True):
+def run_ours(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int = 4, adaptive: bool = True,
+             prompts: tuple[str, ...] = PROMPTS):
     """One greedy run of our generate (``draft`` None) or speculative_generate (``draft`` a name
-    for `make_drafter`, or a drafter; adaptive draft lengths by default, as in the package)."""
-    ids, mask = encode(setup, batch_size)
+    for `make_drafter`, or a drafter; adaptive draft lengths by default, as in the package) on
+    the first ``batch_size`` of ``prompts`` (cycled)."""
+    ids, mask = encode(setup, batch_size, prompts)
     if draft is None:
         return generate(setup.model, ids, mask, max_new_tokens=max_new_tokens, temperature=0,
                         cuda_graphs=setup.cuda_graphs)
     drafter = make_drafter(setup, draft, batch_size, max_new_tokens, k) if isinstance(draft, str) else draft
     return speculative_generate(setup.model, drafter, ids, mask, num_draft_tokens=k, adaptive=adaptive,
                                 max_new_tokens=max_new_tokens, temperature=0, cuda_graphs=setup.cuda_graphs)
+
+
+def run_each_prompt(setup: Setup, batch_size: int, max_new_tokens: int, draft, k: int = 4, adaptive: bool = True):
+    """`run_ours`, at batch 1 on every prompt of `PROMPTS` in turn (`_one_at_a_time`); ``draft``
+    may then be a list of drafters, one per prompt (oracles)."""
+    if batch_size > 1:
+        return run_ours(setup, batch_size, max_new_tokens, draft, k, adaptive)
+    drafts = draft if isinstance(draft, list) else [draft] * len(PROMPTS)
+    return _one_at_a_time([run_ours(setup, 1, max_new_tokens, d, k, adaptive, prompts=(p,))
+                           for p, d in zip(PROMPTS, drafts, strict=True)])
 
 
 def run_ours_on_hf(setup: Setup, batch_size: int, max_new_tokens: int, draft: str | None, k: int = 4,
@@ -287,8 +300,9 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
                       pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
                       random_weights: str | None = None) -> str:
     """Fixed vs adaptive draft lengths against our plain generate, per draft, batch size and K,
-    and the oracle drafter (every draft accepted) at K = 4, all interleaved in one run; returns a
-    markdown table of medians plus the machine line.
+    and the oracle drafter (every draft accepted) at K = 4, all interleaved in one run (batch 1
+    answers every prompt in turn, `run_each_prompt`); returns a markdown table of medians plus
+    the machine line.
 
     Columns: speedups over plain generate (same run); the share of the fixed K's gain (speedup - 1)
     that adaptive keeps where the fixed K gains; the fixed run's acceptance, Leviathan-predicted
@@ -302,13 +316,14 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
     setup = load_setup(pack, device, dtype, random_weights)
     lines = []
     for B in batch_sizes:
-        oracle = make_drafter(setup, "oracle", B, max_new_tokens, 4)
-        methods = {"plain": (run_ours, None, 4, True)}
+        oracle = (make_drafter(setup, "oracle", B, max_new_tokens, 4) if B > 1 else
+                  [make_drafter(setup, "oracle", 1, max_new_tokens, 4, (prompt,)) for prompt in PROMPTS])
+        methods = {"plain": (run_each_prompt, None, 4, True)}
         for draft in ("prompt_lookup", "layers"):
             for k in ks:
-                methods[draft, k, "fixed"] = (run_ours, draft, k, False)
-                methods[draft, k, "adaptive"] = (run_ours, draft, k, True)
-        methods["oracle"] = (run_ours, oracle, 4, False)
+                methods[draft, k, "fixed"] = (run_each_prompt, draft, k, False)
+                methods[draft, k, "adaptive"] = (run_each_prompt, draft, k, True)
+        methods["oracle"] = (run_each_prompt, oracle, 4, False)
         median = _interleaved_medians(setup, methods, B, max_new_tokens, repeats)
         plain_s, plain = median["plain"]
         for draft in ("prompt_lookup", "layers"):
@@ -332,7 +347,8 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
               "adaptive mean draft length |\n|---|---|---|---|---|---|---|---|---|---|---|")
     weights = _weights_name(random_weights)
     return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} "
-            f"new tokens per row, median of {repeats} interleaved runs, layer draft: the first {DRAFT_LAYERS} "
+            f"new tokens per row (batch 1: each of the {len(PROMPTS)} prompts in turn), median of {repeats} "
+            f"interleaved runs, layer draft: the first {DRAFT_LAYERS} "
             f"of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 

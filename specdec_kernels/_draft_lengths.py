@@ -24,8 +24,19 @@ step's that ran a CUDA-graph shape eagerly or recorded it), then decode plainly 
 token count has been timed. A drafter that has proposed nothing in the first steps leaves no
 drafting to price: the policy then starts without, and its shares f keep asking rare.
 
-The estimates live on the host: what they need (accepted counts, draft counts, phase times)
-arrives in the loop's one transfer per step, so choosing adds no synchronization.
+Deterministic chains (no draft logits, no tree: prompt lookup, n-gram drafters) are scored
+against the text instead of by their verification: each proposal's tokens are compared with
+the tokens the rows go on to commit, verified or not. Verification accepts such a draft exactly
+when the committed token equals it (greedy or sampled), so the comparison is the acceptance the
+proposal would have had at every length, also on plain steps. When such a drafter is also cheap
+(a proposal costs at most `SHADOW_SHARE` of a step) the loop asks it for K tokens every step,
+plain steps included ("shadow" proposals), and chooses each row's length after seeing what it
+was offered: rows without a proposal cost nothing, and acceptance is measured without paying
+for verification, where probing would.
+
+The estimates live on the host: what they need (accepted counts, draft counts, phase times,
+the committed tokens and the proposals scored) arrives in the loop's one transfer per step, so
+choosing adds no synchronization.
 """
 
 from __future__ import annotations
@@ -39,6 +50,9 @@ COST_DECAY = 0.95  # times, per step: ~20 steps averaged (the first step and out
 # Timed steps a drafter may answer with nothing before the policy starts without drafting costs
 # (a text's first n-grams often match nothing yet: asking a few steps more is cheap).
 UNANSWERED_STEPS = 8
+# A deterministic drafter proposes K tokens every step when one proposal costs at most this share
+# of a step: the price of measuring its acceptance on plain steps.
+SHADOW_SHARE = 0.02
 
 
 class _DecayedLine:
@@ -73,16 +87,21 @@ class DraftLengths:
     chosen each step from measured acceptance and costs (see the module docstring).
 
     Rows are input rows (``0 .. batch_size - 1``); the loop passes the ones still running. Each
-    step the loop calls `choose` (the next proposal's lengths), then, at its transfer, `observe`
-    (the last verification's outcome and the phase times) and `verifying` (what it verifies
-    next). The arithmetic is plain Python on a few numbers per row: host work, no tensor to
-    synchronize. ``counts[row][k]`` counts the verified steps the row was given length k.
+    step the loop calls `plan` (how many tokens to ask the drafter for), then, at its transfer,
+    `observe` (the last verification's outcome, the phase times, the tokens committed and the
+    proposal, where `scores` it), `choose` (each row's length, given what it was offered) and
+    `verifying` (what it verifies). The arithmetic is plain Python on a few numbers per row:
+    host work, no tensor to synchronize. ``counts[row][k]`` counts the verified steps the row
+    was given length k.
     """
 
     def __init__(self, max_tokens: int, max_new_tokens: int, batch_size: int, adaptive: bool) -> None:
         self.K, self.max_new_tokens, self.adaptive = max_tokens, max_new_tokens, adaptive
-        self.chosen: dict[int, int] = {}  # the lengths of the proposal being made
-        self.verified: tuple[list[tuple[int, int, int]], int] | None = None  # (row, asked, got), tokens
+        self.planned: dict[int, int] = {}  # the lengths planned for the proposal being made
+        self.chosen: dict[int, int] = {}  # the lengths being verified
+        self.width = 0  # tokens per row asked of the drafter for the proposal being made
+        # (row, tokens planned, drafted, forecast accepted) per row verified, and tokens verified
+        self.verified: tuple[list[tuple[int, int, int, float | None]], int] | None = None
         self.clock = time.perf_counter()
         self.slow_calls = GraphedForward.slow_calls  # graphed forwards that did not replay, so far
         # Forgotten sums per row: steps with a first draft, first drafts accepted, tokens asked
@@ -91,10 +110,18 @@ class DraftLengths:
         self.first_drafts, self.first_accepted = [0.0] * batch_size, [0.0] * batch_size
         self.asked, self.got = [0.0] * batch_size, [0.0] * batch_size
         self.reached, self.passed = [0.0] * (max_tokens + 1), [0.0] * (max_tokens + 1)
+        # Deterministic chains are scored against the text (module docstring): per row, the
+        # proposals still being compared, as [token ids, how many matched so far].
+        self.deterministic = False  # the drafter's proposals are deterministic chains
+        self.pending: list[list[list]] = [[] for _ in range(batch_size)]
+        self.shadowing = False  # asking K tokens every step (a cheap deterministic drafter)
+        self.proposal_seconds = self.proposals = 0.0  # forgotten sums: seconds per proposal
+        self.step_seconds = self.steps = 0.0  # forgotten sums: seconds per step
         # Forgotten sums of the drafts accepted and of what the estimates above forecast for
         # them: their ratio corrects the forecasts (priors and lagging estimates run optimistic).
         self.realized = self.forecast = 0.0
         self.forecasts: dict[int, list[float]] = {}  # per row: forecast accepted drafts for k = 0 .. K
+        self.expected: dict[int, float] = {}  # per row: the forecast for the length verified
         self.counts = [[0] * (max_tokens + 1) for _ in range(batch_size)]
         self.verify = _DecayedLine()  # seconds of target forward + sampling vs tokens verified
         # The same per token count: forward times are not linear in the tokens (matmul forms
@@ -105,46 +132,111 @@ class DraftLengths:
         self.steps_seen = 0  # steps timed
         self.timed_drafts = False  # whether a verification with drafts was timed
 
-    def choose(self, rows: list[int], generated: dict[int, int]) -> list[int]:
-        """Draft lengths (0 .. K) for the batch's ``rows``, in order. ``generated``: each row's
-        tokens as of the last transfer (absent: 0); the step before this proposal's verification
-        adds at least one, so more than ``max_new_tokens - generated - 2`` drafts could not all
-        be kept within the row's budget, and are not asked for."""
+    def plan(self, rows: list[int], generated: dict[int, int]) -> int:
+        """How many tokens per row to ask the drafter for next (0: no proposal, the next step
+        decodes plainly), for the batch's ``rows``. ``generated``: each row's tokens as of the
+        last transfer (absent: 0); the step before this proposal's verification adds at least
+        one, so more than ``max_new_tokens - generated - 2`` drafts could not all be kept within
+        the row's budget, and are not asked for. Shadowing (module docstring), K."""
+        self.forecasts = {}
         if not self.adaptive:
             lengths = [self.K] * len(rows)
         elif not self._ready():  # one-token drafts until they are timed, then plain steps (another count)
             lengths = [1 if self.draft_tokens == 0 or not self.timed_drafts else 0] * len(rows)
+        elif self.shadowing:  # chosen once the proposal is seen
+            lengths = [self.K] * len(rows)
         else:
             lengths = self._best(rows)
-        if not (self.adaptive and self._ready()):
-            self.forecasts = {}
-        lengths = [max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
-                   for row, k in zip(rows, lengths, strict=True)]
+        self.planned = {row: max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
+                        for row, k in zip(rows, lengths, strict=True)}
+        self.expected = {row: self.forecasts[row][k] for row, k in self.planned.items() if row in self.forecasts}
+        self.width = max(self.planned.values(), default=0)
+        if self.shadowing:
+            room = max((self.max_new_tokens - generated.get(row, 0) - 2 for row in rows), default=0)
+            self.width = max(0, min(self.K, room))
+        return self.width
+
+    def scores(self, deterministic_chain: bool) -> bool:
+        """Whether the loop's transfer should read the tokens committed and the proposal's ids
+        for scoring (module docstring). ``deterministic_chain``: the proposal just made (if any:
+        else the last seen) had no draft logits and no tree."""
+        if self.width:
+            self.deterministic = self.adaptive and deterministic_chain
+        return self.deterministic
+
+    def choose(self, rows: list[int], offered: list[int], generated: list[int]) -> list[int]:
+        """Each row's draft length for the next verification (0 .. ``offered``, what the drafter
+        proposed for it), for the batch's ``rows`` still running: the planned lengths, or, when
+        shadowing and every cost is measured, the best lengths given the offers. ``generated``:
+        each row's tokens so far: lengths chosen here leave out more than ``max_new_tokens -
+        generated - 1`` drafts (the verification adds at least one more token); planned lengths
+        were cut when planned (a tree's deeper nodes may still be kept after a cut by count)."""
+        best = self.adaptive and self.shadowing and self._ready()
+        if best:
+            lengths = [min(k, self.max_new_tokens - g - 1)
+                       for k, g in zip(self._best(rows, offered), generated, strict=True)]
+        else:
+            lengths = [self.planned.get(row, 0) for row in rows]
+        lengths = [max(0, min(k, o)) for k, o in zip(lengths, offered, strict=True)]
+        if best:
+            self.expected = {row: self.forecasts[row][k] for row, k in zip(rows, lengths, strict=True)}
         self.chosen = dict(zip(rows, lengths, strict=True))
         return lengths
 
     def verifying(self, rows: list[int], drafted: dict[int, int], tokens: int) -> None:
         """The loop verifies ``drafted[row]`` drafts of each of ``rows`` (``tokens`` in all)."""
-        self.verified = ([(row, self.chosen[row], drafted[row], self.forecasts[row][self.chosen[row]]
-                           if row in self.forecasts else None) for row in rows], tokens)
+        self.verified = ([(row, self.planned.get(row, 0), drafted[row], self.expected.get(row)) for row in rows],
+                         tokens)
         for row in rows:
             self.counts[row][self.chosen[row]] += 1
 
-    def observe(self, accepted: dict[int, int], verify_s: float, draft_s: float) -> None:
-        """At the loop's transfer: the drafts each verified row had ``accepted``, the seconds of
-        that verification (target forward and sampling) and of the proposal made since. Where
-        either ran a shape eagerly or recorded its CUDA graph (`GraphedForward`), the seconds are
-        one-time work, not costs, and are left out."""
+    def observe(self, rows: list[int], accepted: list[int], verify_s: float, draft_s: float,
+                committed: list[list[int]] | None = None, proposals: list[list[int]] | None = None) -> None:
+        """At the loop's transfer, for the batch's ``rows``: the drafts each had ``accepted`` at
+        the last verification, the seconds of that verification (target forward and sampling)
+        and of the proposal made since; where the loop `scores`, each row's ``committed`` tokens
+        since the last transfer (-1: none) and the ``proposals`` just made (each row's offered
+        tokens; None or empty without one). Where the verification or the proposal ran a shape
+        eagerly or recorded its CUDA graph (`GraphedForward`), the seconds are one-time work,
+        not costs, and are left out."""
         slow_calls, self.slow_calls = self.slow_calls, GraphedForward.slow_calls
         now = time.perf_counter()
         step_s, self.clock = now - self.clock, now
+        if committed is not None:
+            self._compare(rows, committed, proposals or [[] for _ in rows])
         if self.verified is None:
             return
-        (verified, tokens), width = self.verified, max(self.chosen.values(), default=0)
+        (verified, tokens), width = self.verified, self.width
         self.verified = None
+        accepted = dict(zip(rows, accepted, strict=True))
         rows, asked, got, forecast = (list(column) for column in zip(*verified, strict=True))
         self._measured(rows, asked, got, [accepted[r] for r in rows], tokens, verify_s, width,
                        draft_s if width else 0.0, step_s, forecast, timed=slow_calls == self.slow_calls)
+
+    def _compare(self, rows: list[int], committed: list[list[int]], proposals: list[list[int]]) -> None:
+        """Score the pending proposals against each row's newly ``committed`` tokens (first
+        drafts and draft j given j - 1, as a verification would have), then add the
+        ``proposals`` just made. A proposal leaves at its first mismatch or its end; a row's
+        are dropped when it gains no token (it finished)."""
+        for row, tokens, ids in zip(rows, committed, proposals, strict=True):
+            tokens = [t for t in tokens if t >= 0]
+            still = []
+            for entry in self.pending[row] if tokens else ():
+                draft, matched = entry
+                for t in tokens:
+                    hit = t == draft[matched]
+                    if matched == 0:
+                        self.first_drafts[row] += 1
+                        self.first_accepted[row] += hit
+                    else:
+                        self.reached[matched + 1] += 1
+                        self.passed[matched + 1] += hit
+                    matched += 1
+                    if not hit or matched == len(draft):
+                        break
+                else:
+                    still.append([draft, matched])
+            self.pending[row] = still + ([[ids, 0]] if ids else [])
 
     def _ready(self) -> bool:
         """Whether every cost has been measured: a second verify width too, unless the drafter
@@ -154,8 +246,11 @@ class DraftLengths:
         return measured and self.draft_tokens > 0 and self.overhead is not None
 
     def _predicted(self, tokens: float, width: int) -> float:
-        """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row."""
-        return self.overhead + self._verify_seconds(tokens) + self.draft_seconds / self.draft_tokens * width
+        """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row (when
+        shadowing, a proposal of K whatever is verified)."""
+        drafting = (self.proposal_seconds / self.proposals if self.shadowing
+                    else self.draft_seconds / self.draft_tokens * width)
+        return self.overhead + self._verify_seconds(tokens) + drafting
 
     def _verify_seconds(self, tokens: float) -> float:
         """Seconds to verify ``tokens`` (a fractional count: the expected one): interpolated
@@ -189,7 +284,10 @@ class DraftLengths:
             return v0 + ((v1 or 0.0) - cap) * mean_x, cap
         return v0, v1
 
-    def _best(self, rows: list[int]) -> list[int]:
+    def _best(self, rows: list[int], offered: list[int] | None = None) -> list[int]:
+        """The lengths maximizing expected tokens per second (module docstring); with the
+        ``offered`` tokens known (shadowing), row b's length is at most ``offered[b]`` and its
+        share f is 1."""
         K, b = self.K, len(rows)
         run = [1.0]  # P(drafts 2 .. j accepted | draft 1 accepted), j = 1 .. K
         for j in range(2, K + 1):
@@ -197,12 +295,13 @@ class DraftLengths:
         gains, shares = [], []  # G_b(k) for k = 0 .. K (corrected by the realized share), and f_b
         self.forecasts = {}
         calibration = (self.realized + 2) / (self.forecast + 2)
-        for r in rows:
+        for i, r in enumerate(rows):
             a = (self.first_accepted[r] + 1) / (self.first_drafts[r] + 2)
-            f = (self.got[r] + 1) / (self.asked[r] + 1)
+            f = 1.0 if offered is not None else (self.got[r] + 1) / (self.asked[r] + 1)
+            limit = K if offered is None else offered[i]  # past it, length buys nothing
             gain = [0.0]
             for j in range(1, K + 1):
-                gain.append(gain[-1] + f * a * run[j - 1])
+                gain.append(gain[-1] + (f * a * run[j - 1] if j <= limit else 0.0))
             self.forecasts[r] = gain
             gains.append([calibration * g for g in gain])
             shares.append(f)
@@ -246,8 +345,11 @@ class DraftLengths:
                 self.forecast += expected
                 self.realized += m
         for r, k, p, m in zip(rows, asked, proposed, accepted, strict=True):
-            self.asked[r] += k
-            self.got[r] += p
+            if not self.shadowing:  # (shadow proposals are asked for K: the share f is not used)
+                self.asked[r] += k
+                self.got[r] += p
+            if self.deterministic:  # acceptance comes from scoring against the text
+                continue
             self.first_drafts[r] += p > 0
             self.first_accepted[r] += m > 0
             for j in range(2, min(p, m + 1) + 1):  # drafts 2 .. p whose predecessor was accepted
@@ -264,8 +366,14 @@ class DraftLengths:
         if draft_tokens:
             self.draft_seconds = COST_DECAY * self.draft_seconds + draft_s
             self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
+            self.proposal_seconds = COST_DECAY * self.proposal_seconds + draft_s
+            self.proposals = COST_DECAY * self.proposals + 1
         if self.steps_seen == 1:
             return
+        self.step_seconds = COST_DECAY * self.step_seconds + step_s
+        self.steps = COST_DECAY * self.steps + 1
+        self.shadowing = (self.deterministic and self.proposals > 0
+                          and self.proposal_seconds / self.proposals <= SHADOW_SHARE * self.step_seconds / self.steps)
         self.verify.add(verify_tokens, verify_s)
         self.timed_drafts |= verify_tokens > len(rows)
         seconds, weight = self.verify_at.get(verify_tokens, (0.0, 0.0))

@@ -338,12 +338,11 @@ class _Stream:
         """What the next transfer reads for the streamer."""
         return (self.tokens,) if self.streamer is not None else ()
 
-    def put(self, read: list[int] | None = None) -> None:
-        """Put the tokens of the last `add`, as read in the transfer."""
+    def put(self, read: list[list[int]] | None = None) -> None:
+        """Put the tokens of the last `add`, as read in the transfer (a list per row)."""
         if self.streamer is None or not self.rows:
             return
-        width = len(read) // len(self.rows)
-        new = {row: [t for t in read[i * width: (i + 1) * width] if t >= 0] for i, row in enumerate(self.rows)}
+        new = {row: [t for t in read[i] if t >= 0] for i, row in enumerate(self.rows)}
         self.rows = []
         if self.batch_size == 1:
             if new[0]:
@@ -385,15 +384,19 @@ def _new_stats(batch_size: int, device, max_drafts: int) -> GenerationStats:
 def _rows_still_running(done: torch.Tensor, check: _LogitsCheck, *values: torch.Tensor
                         ) -> tuple[list[int], list]:
     """The loop's one host synchronization per step: which batch positions are still running,
-    and ``values`` read in the same transfer (0-d tensors become ints: cache lengths, draft
-    counts, bounds for the next forward; others lists: per-row counts, streamed tokens), with the
-    check's flags (raising if a model returned logits no token can come from)."""
+    and ``values`` read in the same transfer (0-d tensors become ints: cache lengths, bounds for
+    the next forward; 1-d ones lists: per-row counts; 2-d ones lists of rows: tokens written,
+    proposals), with the check's flags (raising if a model returned logits no token can come
+    from)."""
     flat = torch.cat([done.long(), check.failed.long(), *(v.reshape(-1).long() for v in values)]).tolist()
     B, M = done.shape[0], len(check.names)
     check.raise_if_failed(flat[B: B + M])
     read, at = [], B + M
     for v in values:
-        read.append(flat[at] if v.dim() == 0 else flat[at: at + v.numel()])
+        part = flat[at] if v.dim() == 0 else flat[at: at + v.numel()]
+        if v.dim() == 2:
+            part = [part[i * v.shape[1]: (i + 1) * v.shape[1]] for i in range(v.shape[0])]
+        read.append(part)
         at += v.numel()
     return [i for i, d in enumerate(flat[:B]) if not d], read
 
@@ -575,37 +578,45 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         drafter.prefill(request.prompt, request.prompt_lengths, request.max_len, **shared)
     with timer("sampler"):
         token = request.sample(logits)
-    new, accepted, asked = token[:, None], torch.zeros_like(rows), lengths.choose(host_rows, {})
+    new, accepted, width = token[:, None], torch.zeros_like(rows), lengths.plan(host_rows, {})
     committed_bound = request.prompt.shape[1] + 1  # host bound on every row's committed tokens
     with stream:  # ends the streamer however the loop ends
         while True:
             kept, done = outputs.write(rows, new, accepted + 1, request.eos)
             stream.add(host_rows, kept, new)
             _commit(drafter, new, accepted + 1, states, committed_bound)
-            if max(asked) == 0:  # a plain decoding step
-                drafts = DraftProposal(token.new_zeros(len(asked), 0), torch.zeros_like(rows))
+            if width == 0:  # a plain decoding step
+                drafts = DraftProposal(token.new_zeros(len(host_rows), 0), torch.zeros_like(rows))
             else:
                 stats.draft_calls += 1
                 with timer("draft"):
-                    drafts = _propose(drafter, asked, sample_draft, logits, check)
-            num_drafts = drafts.num_tokens
+                    drafts = _propose(drafter, len(host_rows), width, sample_draft, logits, check)
+            scored = lengths.scores(drafts.logits is None and drafts.parents is None)
+            texts = stream.values() or ((torch.where(kept, new, -1),) if scored else ())
+            proposed = (drafts.token_ids,) if scored and width else ()
             # The one transfer: finished rows, bounds for the verify forward, this step's drafts and
-            # the last step's acceptance (for the draft lengths), the streamer's tokens.
-            running, (longest, shortest, widest, fewest, total, drafted, accepted_list, generated,
-                      *streamed) = _rows_still_running(
-                done, check, *_running_range(cache.lengths, done), *_running_range(num_drafts, done),
-                num_drafts.masked_fill(done, 0).sum(), num_drafts, accepted, outputs.counts[rows], *stream.values())
-            stream.put(*streamed)
-            lengths.observe(dict(zip(host_rows, accepted_list, strict=True)), timer.last("verify"), timer.last("draft"))
+            # the last step's acceptance (for the draft lengths), the tokens written (the streamer's,
+            # and the text scored proposals are compared with).
+            running, (longest, shortest, offered, accepted_list, generated, *read) = _rows_still_running(
+                done, check, *_running_range(cache.lengths, done), drafts.num_tokens, accepted,
+                outputs.counts[rows], *texts, *proposed)
+            text, proposal = (read + [None, None])[:2]
+            stream.put(text)
+            scoring = (text, proposal and [ids[:n] for ids, n in zip(proposal, offered, strict=True)]) if scored else ()
+            lengths.observe(host_rows, accepted_list, timer.last("verify"), timer.last("draft"), *scoring)
             if not running:
                 break
-            drafted, generated = (dict(zip(host_rows, values, strict=True)) for values in (drafted, generated))
+            offered, generated = [offered[i] for i in running], [generated[i] for i in running]
             if len(running) < len(rows):
                 keep, rows, host_rows, cache, token = _keep_running(running, rows, host_rows, cache, token)
                 drafts = _select_rows(drafts, keep)
                 drafter.select(keep)
             b = len(rows)
-            lengths.verifying(host_rows, drafted, b + total)
+            drafted = lengths.choose(host_rows, offered, generated)
+            widest, fewest, total = max(drafted), min(drafted), sum(drafted)
+            if drafted != offered:  # rows cut to their chosen lengths (a tree keeps its first nodes)
+                drafts = DraftProposal(drafts.token_ids, _host_list_to(drafted, device), drafts.logits, drafts.parents)
+            lengths.verifying(host_rows, dict(zip(host_rows, drafted, strict=True)), b + total)
 
             # Verify: the target scores the last token and the drafts in one forward, and the sampler
             # keeps the longest prefix the target agrees with, plus one token of its own.
@@ -624,7 +635,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             stats.num_steps[rows] += 1
             stats.num_proposed[rows] += drafts.num_tokens
             stats.num_accepted[rows] += accepted
-            asked = lengths.choose(host_rows, generated)
+            width = lengths.plan(host_rows, dict(zip(host_rows, generated, strict=True)))
     stats.draft_lengths = torch.tensor(lengths.counts, dtype=torch.int64)
     return _finish(request, input_ids, outputs, stats, timer, t_start, pad_token_id)
 
@@ -640,16 +651,11 @@ def _commit(drafter: Drafter, token_ids: torch.Tensor, num_tokens: torch.Tensor,
     drafter.commit(token_ids, num_tokens, **extras)
 
 
-def _propose(drafter: Drafter, asked: list[int], sample: Callable[[torch.Tensor], torch.Tensor],
-             logits_like: torch.Tensor, check: _LogitsCheck) -> tuple:
-    """The drafter's proposal (checked, ``num_tokens`` always given) with each row's count cut to
-    ``asked`` (0 .. K, host ints, not all 0; a tree keeps the first nodes of its topological
-    order)."""
-    ids, num, logits, parents = _checked_proposal(drafter, drafter.propose(max(asked), sample), len(asked),
-                                                  max(asked), logits_like, check)
-    if min(asked) < max(asked):
-        num = torch.minimum(num, _host_list_to(asked, num.device))
-    return DraftProposal(ids, num, logits, parents)
+def _propose(drafter: Drafter, rows: int, width: int, sample: Callable[[torch.Tensor], torch.Tensor],
+             logits_like: torch.Tensor, check: _LogitsCheck) -> DraftProposal:
+    """The drafter's proposal of up to ``width`` tokens for each of its ``rows``, checked,
+    ``num_tokens`` always given."""
+    return DraftProposal(*_checked_proposal(drafter, drafter.propose(width, sample), rows, width, logits_like, check))
 
 
 def _select_rows(drafts: DraftProposal, rows: torch.Tensor) -> DraftProposal:

@@ -383,11 +383,10 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                 done, check, *_running_range(cache.lengths, done), new, kept, grams, *stream.values())
             stream.put(*streamed)
             # The pools learn the committed text and the window's n-grams of every row still running.
-            width, per_row = new.shape[1], grams.shape[1] * (L + 1)
+            per_row = grams.shape[1] * (L + 1)
             candidates, gained = [], []
             for i in range(len(host_rows)):
-                committed = [t for t, k in zip(new_host[i * width: (i + 1) * width],
-                                               kept_host[i * width: (i + 1) * width], strict=True) if k]
+                committed = [t for t, k in zip(new_host[i], kept_host[i], strict=True) if k]
                 gained.append(len(committed) - 1)
                 if i not in running:
                     continue

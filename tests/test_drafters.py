@@ -11,6 +11,7 @@ from specdec_kernels import (
     EarlyExitDraft,
     ModelDraft,
     PromptLookupDraft,
+    _draft_lengths,
     generate,
     speculative_generate,
 )
@@ -157,27 +158,78 @@ def test_an_early_exit_draft_needs_the_cache_of_its_own_target(target):
         speculative_generate(other, EarlyExitDraft(target, 1), ids, mask, max_new_tokens=4)
 
 
-def test_a_drafter_that_never_proposes_is_asked_rarely(target):
-    """A drafter with nothing to propose (prompt lookup on text that never repeats): after the
-    first asks the loop decodes plainly and asks again only now and then."""
-    class Nothing:
-        def prefill(self, input_ids, q_seqlens, max_len):
-            self.B = input_ids.shape[0]
+class Nothing:
+    """A drafter with nothing to propose (prompt lookup on text that never repeats)."""
 
-        def propose(self, num_tokens, sample):
-            none = torch.zeros(self.B, dtype=torch.int64)
-            return DraftProposal(torch.zeros(self.B, num_tokens, dtype=torch.int64), none)
+    def prefill(self, input_ids, q_seqlens, max_len):
+        self.B = input_ids.shape[0]
 
-        def commit(self, token_ids, num_tokens):
-            pass
+    def propose(self, num_tokens, sample):
+        none = torch.zeros(self.B, dtype=torch.int64)
+        return DraftProposal(torch.zeros(self.B, num_tokens, dtype=torch.int64), none)
 
-        def select(self, rows):
-            self.B = len(rows)
+    def commit(self, token_ids, num_tokens):
+        pass
 
+    def select(self, rows):
+        self.B = len(rows)
+
+
+def test_a_drafter_that_never_proposes_is_asked_rarely(target, monkeypatch):
+    """Where proposals are not cheap enough to make every step: after the first asks the loop
+    decodes plainly and asks again only now and then."""
+    monkeypatch.setattr(_draft_lengths, "SHADOW_SHARE", 0.0)
     ids, mask = ragged_prompts(B=2, seed=1)
     out = speculative_generate(target, Nothing(), ids, mask, max_new_tokens=60, temperature=0)
     assert out.stats.draft_calls <= UNANSWERED_STEPS + 4, out.stats.draft_lengths
     assert torch.equal(out.tokens, generate(target, ids, mask, max_new_tokens=60, temperature=0).tokens)
+
+
+def test_a_cheap_drafter_is_asked_every_step_and_verified_only_where_it_offers(target, monkeypatch):
+    """Where proposals are cheap (every one here): a drafter of deterministic chains is asked
+    for K every step, and a step whose rows were offered nothing verifies no draft."""
+    monkeypatch.setattr(_draft_lengths, "SHADOW_SHARE", float("inf"))
+    ids, mask = ragged_prompts(B=2, seed=1)
+    out = speculative_generate(target, Nothing(), ids, mask, max_new_tokens=60, temperature=0)
+    assert out.stats.draft_calls >= out.stats.target_forwards - 3  # not: a start-up step, the budget's last
+    assert out.stats.num_proposed.sum() == 0 and out.stats.tokens_per_target_forward == 1.0
+    assert torch.equal(out.tokens, generate(target, ids, mask, max_new_tokens=60, temperature=0).tokens)
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "lookup", "hostile"])
+def test_scored_proposals_keep_greedy_output_and_stream(target, monkeypatch, drafter):
+    """Cheap deterministic drafters, scored against the text and asked every step (whatever
+    this machine times): greedy tokens, streamed tokens and, for the oracle, full acceptance
+    at long lengths."""
+    monkeypatch.setattr(_draft_lengths, "SHADOW_SHARE", float("inf"))
+    ids, mask = ragged_prompts(B=4, seed=4)
+    plain = generate(target, ids, mask, max_new_tokens=40, temperature=0)
+    draft = {"oracle": lambda: Oracle(generate(target, ids, mask, max_new_tokens=44, temperature=0).tokens),
+             "lookup": PromptLookupDraft, "hostile": lambda: Hostile(1, with_logits=False)}[drafter]()
+    streamer = Recording()
+    spec = speculative_generate(target, draft, ids, mask, num_draft_tokens=4, max_new_tokens=40, temperature=0,
+                                streamer=streamer)
+    assert_greedy_equal(target, ids, mask, plain, spec)
+    for row in range(4):
+        assert torch.cat([c[row] for c in streamer.chunks]).tolist() == spec.row_tokens(row)
+    if drafter == "oracle":
+        assert spec.stats.acceptance_rate == 1.0
+        assert spec.stats.draft_lengths[:, 4].sum() >= spec.stats.draft_lengths[:, 1:4].sum()
+
+
+def test_deterministic_proposals_are_scored_against_the_text():
+    """Each proposal is compared with the tokens its row commits next, over as many steps as it
+    takes, as verification would accept it: the first draft, then draft j once j - 1 matched."""
+    policy = DraftLengths(4, 100, 2, adaptive=True)
+    assert policy.plan([0, 1], {}) == 1 and policy.scores(True)
+    policy.observe([0, 1], [0, 0], 0.0, 0.0, [[3], [3]], [[5, 6, 7, 8], [9]])
+    policy.observe([0, 1], [0, 0], 0.0, 0.0, [[5, -1], [4, -1]], [[6, 7], []])  # row 0 matches 1, row 1 misses
+    assert policy.first_drafts == [1, 1] and policy.first_accepted == [1, 0]
+    policy.observe([0, 1], [0, 0], 0.0, 0.0, [[6, 7, 2], [1]], [[], []])
+    # proposal [5, 6, 7, 8]: drafts 2 and 3 matched, 4 missed; proposal [6, 7]: matched to its end.
+    assert policy.first_drafts == [2, 1] and policy.first_accepted == [2, 0]
+    assert policy.reached[2:5] == [2, 1, 1] and policy.passed[2:5] == [2, 1, 0]
+    assert policy.pending == [[], []]
 
 
 def test_adaptive_and_fixed_give_the_same_greedy_tokens(target):
@@ -215,20 +267,29 @@ def test_per_row_draft_lengths_including_zero_in_one_step(target):
     assert (spec.stats.num_proposed < 3 * spec.stats.num_steps).all()
 
 
+def planned(policy: DraftLengths, rows: list[int], generated: dict[int, int]) -> list[int]:
+    """The lengths ``policy`` plans for ``rows`` (what it asks a drafter for)."""
+    policy.plan(rows, generated)
+    return [policy.planned[r] for r in rows]
+
+
 def test_the_policy_cuts_each_row_to_its_own_length():
     """Rows whose drafts fail get 0 while rows whose drafts are accepted keep drafting, in the
     same step; with nothing measured yet every row drafts one token."""
     policy = DraftLengths(4, 20, 3, adaptive=True)
-    assert policy.choose([0, 1, 2], {}) == [1, 1, 1]
+    assert planned(policy, [0, 1, 2], {}) == [1, 1, 1]
     for _ in range(20):
         policy._measured([0, 1, 2], [4, 4, 4], [4, 4, 4], [4, 0, 4], verify_tokens=15, verify_s=0.012,
                          draft_tokens=4, draft_s=0.001, step_s=0.014)
         policy._measured([0, 1, 2], [1, 1, 1], [1, 1, 1], [1, 0, 1], verify_tokens=6, verify_s=0.0105,
                          draft_tokens=1, draft_s=0.0003, step_s=0.011)
-    lengths = policy.choose([0, 1, 2], {2: 16})
+    lengths = planned(policy, [0, 1, 2], {2: 16})
     assert lengths[0] == 4 and lengths[1] == 0 and lengths[2] == 2  # row 2: only 2 fit its budget
-    policy.verifying([0, 1, 2], {0: 4, 1: 0, 2: 2}, 9)
-    assert policy.counts[0][4] == policy.counts[1][0] == policy.counts[2][2] == 1
+    assert policy.width == 4
+    # What is verified: the plan, cut to what the drafter offered.
+    assert policy.choose([0, 1, 2], [3, 4, 1], [0, 0, 18]) == [3, 0, 1]
+    policy.verifying([0, 1, 2], {0: 3, 1: 0, 2: 1}, 7)
+    assert policy.counts[0][3] == policy.counts[1][0] == policy.counts[2][1] == 1
 
 
 def test_the_policy_decodes_plainly_when_drafting_cannot_pay():
@@ -238,7 +299,7 @@ def test_the_policy_decodes_plainly_when_drafting_cannot_pay():
                          draft_s=0.02, step_s=0.05)
         policy._measured([0, 1], [0, 0], [0, 0], [0, 0], verify_tokens=2, verify_s=0.010, draft_tokens=0,
                          draft_s=0.0, step_s=0.011)
-    assert policy.choose([0, 1], {}) == [0, 0]
+    assert planned(policy, [0, 1], {}) == [0, 0]
 
 
 def test_steps_that_record_a_cuda_graph_are_not_costs(monkeypatch):
@@ -250,13 +311,14 @@ def test_steps_that_record_a_cuda_graph_are_not_costs(monkeypatch):
     def run(recorded_at: set[int]) -> list[int]:
         policy = DraftLengths(4, 10**6, 1, adaptive=True)
         for step in range(12):
-            lengths = policy.choose([0], {})
+            width = policy.plan([0], {})
+            lengths = policy.choose([0], [width], [0])
             policy.verifying([0], {0: lengths[0]}, 1 + lengths[0])
             if step in recorded_at:
                 monkeypatch.setattr(GraphedForward, "slow_calls", GraphedForward.slow_calls + 1)
             slow = 100.0 if step in recorded_at else 1.0
-            policy.observe({0: lengths[0]}, slow * (0.030 + 0.0005 * (1 + lengths[0])), slow * 0.001 * lengths[0])
-        return policy.choose([0], {})
+            policy.observe([0], lengths, slow * (0.030 + 0.0005 * (1 + lengths[0])), slow * 0.001 * lengths[0])
+        return planned(policy, [0], {})
 
     for recorded_at in (set(), {0}, {0, 1}, {1, 2}, {3, 4}):
         assert run(recorded_at) == [4], recorded_at
@@ -267,7 +329,7 @@ def simulate(policy, rows, steps, accept, verify_s, draft_s):
     ``verify_s(tokens)`` and ``draft_s(width)`` seconds. Returns the lengths chosen per step."""
     chosen = []
     for _ in range(steps):
-        lengths = policy.choose(rows, {})
+        lengths = planned(policy, rows, {})
         chosen.append(lengths)
         accepted = [accept(r, k) for r, k in zip(rows, lengths, strict=True)]
         tokens, width = len(rows) + sum(lengths), max(lengths)
