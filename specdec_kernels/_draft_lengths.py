@@ -28,7 +28,10 @@ Deterministic chains (no draft logits, no tree: prompt lookup, n-gram drafters) 
 against the text instead of by their verification: each proposal's tokens are compared with
 the tokens the rows go on to commit, verified or not. Verification accepts such a draft exactly
 when the committed token equals it (greedy or sampled), so the comparison is the acceptance the
-proposal would have had at every length, also on plain steps. When such a drafter is also cheap
+proposal would have had at every length, also on plain steps. Their rates a and c_j are kept
+by the state the row was in when the proposal was made (its latest compared proposal's first
+draft accepted or not, pooled over rows): hits come in runs, a copied span going on, so a row
+just past a hit drafts longer than one just past a miss. When such a drafter is also cheap
 (a proposal costs at most `SHADOW_SHARE` of a step) the loop asks it for K tokens every step,
 plain steps included ("shadow" proposals), and chooses each row's length after seeing what it
 was offered: rows without a proposal cost nothing, and acceptance is measured without paying
@@ -114,6 +117,13 @@ class DraftLengths:
         # proposals still being compared, as [token ids, how many matched so far].
         self.deterministic = False  # the drafter's proposals are deterministic chains
         self.pending: list[list[list]] = [[] for _ in range(batch_size)]
+        # Acceptance of scored proposals by the state their row was in when proposed: 1 where the
+        # row's latest compared proposal had its first draft accepted (a copied span goes on),
+        # else 0; forgotten sums pooled over rows, as above.
+        self.state = [0] * batch_size
+        self.state_first, self.state_accepted = [0.0, 0.0], [0.0, 0.0]
+        self.state_reached = [[0.0] * (max_tokens + 1) for _ in range(2)]
+        self.state_passed = [[0.0] * (max_tokens + 1) for _ in range(2)]
         self.shadowing = False  # asking K tokens every step (a cheap deterministic drafter)
         self.proposal_seconds = self.proposals = 0.0  # forgotten sums: seconds per proposal
         self.step_seconds = self.steps = 0.0  # forgotten sums: seconds per step
@@ -222,21 +232,26 @@ class DraftLengths:
             tokens = [t for t in tokens if t >= 0]
             still = []
             for entry in self.pending[row] if tokens else ():
-                draft, matched = entry
+                draft, matched, state = entry
                 for t in tokens:
                     hit = t == draft[matched]
                     if matched == 0:
                         self.first_drafts[row] += 1
                         self.first_accepted[row] += hit
+                        self.state_first[state] += 1
+                        self.state_accepted[state] += hit
+                        self.state[row] = int(hit)
                     else:
                         self.reached[matched + 1] += 1
                         self.passed[matched + 1] += hit
+                        self.state_reached[state][matched + 1] += 1
+                        self.state_passed[state][matched + 1] += hit
                     matched += 1
                     if not hit or matched == len(draft):
                         break
                 else:
-                    still.append([draft, matched])
-            self.pending[row] = still + ([[ids, 0]] if ids else [])
+                    still.append([draft, matched, state])
+            self.pending[row] = still + ([[ids, 0, self.state[row]]] if ids else [])
 
     def _ready(self) -> bool:
         """Whether every cost has been measured: a second verify width too, unless the drafter
@@ -292,16 +307,24 @@ class DraftLengths:
         run = [1.0]  # P(drafts 2 .. j accepted | draft 1 accepted), j = 1 .. K
         for j in range(2, K + 1):
             run.append(run[-1] * (self.passed[j] + 1) / (self.reached[j] + 2))
+        runs = [[1.0], [1.0]]  # the same by state (scored proposals)
+        for s, state_run in enumerate(runs):
+            for j in range(2, K + 1):
+                state_run.append(state_run[-1] * (self.state_passed[s][j] + 1) / (self.state_reached[s][j] + 2))
         gains, shares = [], []  # G_b(k) for k = 0 .. K (corrected by the realized share), and f_b
         self.forecasts = {}
         calibration = (self.realized + 2) / (self.forecast + 2)
         for i, r in enumerate(rows):
             a = (self.first_accepted[r] + 1) / (self.first_drafts[r] + 2)
+            row_run = run
+            if self.deterministic:  # scored: by the row's state (a copied span tends to go on)
+                s = self.state[r]
+                a, row_run = (self.state_accepted[s] + 1) / (self.state_first[s] + 2), runs[s]
             f = 1.0 if offered is not None else (self.got[r] + 1) / (self.asked[r] + 1)
             limit = K if offered is None else offered[i]  # past it, length buys nothing
             gain = [0.0]
             for j in range(1, K + 1):
-                gain.append(gain[-1] + (f * a * run[j - 1] if j <= limit else 0.0))
+                gain.append(gain[-1] + (f * a * row_run[j - 1] if j <= limit else 0.0))
             self.forecasts[r] = gain
             gains.append([calibration * g for g in gain])
             shares.append(f)
@@ -337,7 +360,8 @@ class DraftLengths:
         ``verify_tokens`` tokens), the next proposal (``draft_s`` seconds for ``draft_tokens``
         per row, 0 if none was made) and the whole step from one transfer to the next (not
         costs where ``timed`` is False)."""
-        for sums in (self.first_drafts, self.first_accepted, self.asked, self.got, self.reached, self.passed):
+        for sums in (self.first_drafts, self.first_accepted, self.asked, self.got, self.reached, self.passed,
+                     self.state_first, self.state_accepted, *self.state_reached, *self.state_passed):
             sums[:] = [DECAY * x for x in sums]
         self.realized, self.forecast = DECAY * self.realized, DECAY * self.forecast
         for expected, m in zip(forecast or [], accepted, strict=False):

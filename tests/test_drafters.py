@@ -230,6 +230,41 @@ def test_deterministic_proposals_are_scored_against_the_text():
     assert policy.first_drafts == [2, 1] and policy.first_accepted == [2, 0]
     assert policy.reached[2:5] == [2, 1, 1] and policy.passed[2:5] == [2, 1, 0]
     assert policy.pending == [[], []]
+    # By state at proposal: [5, 6, 7, 8] and [9] were made before any comparison (state 0),
+    # [6, 7] after row 0's hit (state 1).
+    assert policy.state_first == [2, 1] and policy.state_accepted == [1, 1]
+    assert policy.state_reached[1][2:4] == [1, 0] and policy.state_passed[1][2:4] == [1, 0]
+    assert policy.state == [1, 0]
+
+
+def test_a_scored_drafter_drafts_long_in_runs_of_hits_and_short_after_misses():
+    """Cheap deterministic proposals of 4 (shadowing): hits come in spans (a row copying), so
+    after a hit the policy verifies the whole offer, after a miss (nearly) nothing."""
+    policy = DraftLengths(4, 10**6, 1, adaptive=True)
+    text = list(range(10_000))
+    pos, committed, accepted, lengths_by_state = 1, [0], 0, {0: [], 1: []}
+    for step in range(400):
+        width = policy.plan([0], {})
+        copying = (step // 10) % 2 == 0  # spans of 10 steps copying, 10 steps not
+        proposal = text[pos: pos + width] if copying else [-5] * width
+        policy.scores(True)
+        policy.shadowing = True  # every cost below is synthetic: no clock to price the proposal
+        policy._compare([0], [committed], [proposal])
+        if policy.verified is not None:
+            verified, tokens = policy.verified
+            policy.verified = None
+            policy._measured([0], [verified[0][1]], [verified[0][2]], [accepted], tokens,
+                             0.030 + 0.006 * tokens, width, 0.0003, 0.032 + 0.006 * tokens,
+                             [verified[0][3]])
+        k = policy.choose([0], [len(proposal)], [0])[0]
+        if step > 50:
+            lengths_by_state[policy.state[0]].append(k)
+        policy.verifying([0], {0: k}, 1 + k)
+        accepted = k if copying else 0
+        committed = text[pos: pos + accepted + 1]
+        pos += accepted + 1
+    assert sum(lengths_by_state[1]) / len(lengths_by_state[1]) > 3.0
+    assert sum(lengths_by_state[0]) / len(lengths_by_state[0]) < 0.5
 
 
 def test_adaptive_and_fixed_give_the_same_greedy_tokens(target):
@@ -383,6 +418,50 @@ def test_sampling_with_adaptive_lengths_keeps_the_target_distribution(target):
         proposed += int(spec.stats.num_proposed.sum())
     assert proposed >= n
     keep = (counts_plain + counts_spec) >= 10  # the chi-square approximation needs counts
+    assert int(keep.sum()) >= 5
+    assert chi2_contingency(torch.stack([counts_plain[keep], counts_spec[keep]]).numpy()).pvalue > 1e-3
+
+
+class GreedyTarget:
+    """A deterministic chain drafter of one row: the target's own greedy continuation of the
+    committed text (right often when sampling, as a good draft is)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def prefill(self, input_ids, q_seqlens, max_len):
+        self.text = input_ids[:, : int(q_seqlens[0])]
+
+    def propose(self, num_tokens, sample):
+        return DraftProposal(generate(self.model, self.text, max_new_tokens=num_tokens, temperature=0).tokens)
+
+    def commit(self, token_ids, num_tokens):
+        self.text = torch.cat([self.text, token_ids[:, : int(num_tokens[0])]], 1)
+
+    def select(self, rows):
+        self.text = self.text[rows]
+
+
+def test_sampling_with_lengths_chosen_after_the_offer_keeps_the_target_distribution(target, monkeypatch):
+    """Chi-square of generated tokens 6 to 9 over many seeds: a cheap deterministic drafter,
+    asked every step, its rows' lengths chosen after its proposal is seen (once the costs are
+    measured, by token 5 here), samples what plain generation samples."""
+    from scipy.stats import chi2_contingency
+
+    monkeypatch.setattr(_draft_lengths, "SHADOW_SHARE", float("inf"))
+    ids = torch.tensor([[5, 17, 33]])
+    n = 300
+    counts_plain, counts_spec = torch.zeros(V), torch.zeros(V)
+    late_drafts = 0
+    for seed in range(n):
+        counts_plain.index_put_((generate(target, ids, max_new_tokens=10, seed=seed).tokens[0, 6:10],),
+                                torch.ones(4), accumulate=True)
+        spec = speculative_generate(target, GreedyTarget(target), ids, max_new_tokens=10, seed=10_000 + seed,
+                                    num_draft_tokens=3)
+        counts_spec.index_put_((spec.tokens[0, 6:10],), torch.ones(4), accumulate=True)
+        late_drafts += int(spec.stats.draft_lengths[0, 2:].sum())
+    assert late_drafts >= n // 4  # lengths of 2 or 3: chosen after the offer
+    keep = (counts_plain + counts_spec) >= 10
     assert int(keep.sum()) >= 5
     assert chi2_contingency(torch.stack([counts_plain[keep], counts_spec[keep]]).numpy()).pvalue > 1e-3
 
