@@ -103,6 +103,7 @@ class DraftLengths:
         self.planned: dict[int, int] = {}  # the lengths planned for the proposal being made
         self.chosen: dict[int, int] = {}  # the lengths being verified
         self.width = 0  # tokens per row asked of the drafter for the proposal being made
+        self.after_offer = False  # the lengths are chosen once the proposal is seen (shadowing)
         # (row, tokens planned, drafted, forecast accepted) per row verified, and tokens verified
         self.verified: tuple[list[tuple[int, int, int, float | None]], int] | None = None
         self.clock = time.perf_counter()
@@ -114,7 +115,7 @@ class DraftLengths:
         self.asked, self.got = [0.0] * batch_size, [0.0] * batch_size
         self.reached, self.passed = [0.0] * (max_tokens + 1), [0.0] * (max_tokens + 1)
         # Deterministic chains are scored against the text (module docstring): per row, the
-        # proposals still being compared, as [token ids, how many matched so far].
+        # proposals still being compared, as [token ids, how many matched so far, state when made].
         self.deterministic = False  # the drafter's proposals are deterministic chains
         self.pending: list[list[list]] = [[] for _ in range(batch_size)]
         # Acceptance of scored proposals by the state their row was in when proposed: 1 where the
@@ -160,6 +161,9 @@ class DraftLengths:
         self.planned = {row: max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
                         for row, k in zip(rows, lengths, strict=True)}
         self.expected = {row: self.forecasts[row][k] for row, k in self.planned.items() if row in self.forecasts}
+        # Whether `choose` picks the lengths once the offer is seen: fixed here, as the plan was
+        # made (the measurements between may flip `shadowing`).
+        self.after_offer = self.adaptive and self.shadowing and self._ready()
         self.width = max(self.planned.values(), default=0)
         if self.shadowing:
             room = max((self.max_new_tokens - generated.get(row, 0) - 2 for row in rows), default=0)
@@ -181,7 +185,7 @@ class DraftLengths:
         each row's tokens so far: lengths chosen here leave out more than ``max_new_tokens -
         generated - 1`` drafts (the verification adds at least one more token); planned lengths
         were cut when planned (a tree's deeper nodes may still be kept after a cut by count)."""
-        best = self.adaptive and self.shadowing and self._ready()
+        best = self.after_offer
         if best:
             lengths = [min(k, self.max_new_tokens - g - 1)
                        for k, g in zip(self._best(rows, offered), generated, strict=True)]

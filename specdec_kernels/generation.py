@@ -72,8 +72,9 @@ class GenerationStats:
             tokens that EOS or the token budget then cut off count too: this measures the draft.
             Without such cuts ``num_generated = 1 + num_steps + num_accepted`` (the first token
             comes from the prefill); with them it is less.
-        draft_lengths: [B, K + 1] int64, how many steps row b was asked to draft k = 0 .. K tokens
-            (`speculative_generate`; adaptive speculation chooses them; [B, 1] for `generate`).
+        draft_lengths: [B, K + 1] int64, how many steps row b verified a length of k = 0 .. K
+            drafts: the length chosen (by adaptive speculation, else K) cut to what the drafter
+            offered (`speculative_generate`; [B, 1] for `generate`).
         target_forwards: batched target forward calls, the prefill included.
         draft_calls: proposals asked of the drafter.
         time_prefill_s: prompt prefill of target and draft; time_draft_prefill_s: the draft
