@@ -230,8 +230,8 @@ class DraftLengths:
     def _compare(self, rows: list[int], committed: list[list[int]], proposals: list[list[int]]) -> None:
         """Score the pending proposals against each row's newly ``committed`` tokens (first
         drafts and draft j given j - 1, as a verification would have), then add the
-        ``proposals`` just made. A proposal leaves at its first mismatch or its end; a row's
-        are dropped when it gains no token (it finished)."""
+        ``proposals`` just made. A proposal leaves at its first mismatch or its end (a row that
+        finishes keeps its last few: they are never compared again)."""
         for row, tokens, ids in zip(rows, committed, proposals, strict=True):
             tokens = [t for t in tokens if t >= 0]
             still = []
