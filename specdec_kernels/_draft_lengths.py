@@ -11,31 +11,39 @@ gets (prompt lookup rows without a match get none). Each step the policy picks t
 ``k_b <= K`` that maximize expected tokens per second
 ``sum_b (1 + G_b(k_b)) / (O + V(b + sum_b f_b k_b) + D(max_b k_b))`` by Dinkelbach's method: at
 a trial rate R each row maximizes ``G_b(k) - R v1 f_b k`` under a common cap w, and the best
-cap's rate is the next R. All rows at 0 is a plain decoding step, chosen whenever no draft pays
-for its verification.
+cap's rate is the next R. Each cap also weighs every row at its whole length up to the cap, as
+priced by the seconds measured per token count: a forward's cost is not a line in its tokens
+(at batch 1 on a CPU the first draft costs little, the next few as much as a matrix product
+instead of a matrix-vector one, and more hardly more). All rows at 0 is a plain decoding step,
+chosen whenever no draft pays for its verification.
 
 Every estimate is forgotten exponentially, step by step (acceptance slowly, `DECAY`; times
 fast, `COST_DECAY`, so that a slow start or a change of load soon stops counting), so it
 follows the text as it changes; a row whose drafts kept failing also drifts back to the prior
 (rates of 1/2) and is probed again with one draft token, after enough plain steps that the
-probes cost little. Before costs are measured, steps draft one token per row until a drafting
-step has been timed (the first step's times are not used: it pays one-time costs; nor are a
-step's that ran a CUDA-graph shape eagerly or recorded it), then decode plainly until a second
-token count has been timed. A drafter that has proposed nothing in the first steps leaves no
-drafting to price: the policy then starts without, and its shares f keep asking rare.
+probes cost little; a probe still being verified counts as a miss when the next step is planned.
+Before costs are measured, steps draft one token per row. The first step's times stand in
+until the second's replace them (it may pay one-time costs; a step that ran a CUDA-graph shape
+eagerly or recorded it is not timed at all), and the verify cost's slope is the prefill's
+seconds per prompt token until two token counts are timed, so the policy starts after one
+timed step (without a prefill's time, after a drafting step and a plain one). A drafter that
+has proposed nothing in the first steps leaves no drafting to price: the policy then starts
+without, and its shares f keep asking rare.
 
 Deterministic chains (no draft logits, no tree: prompt lookup, n-gram drafters) are scored
 against the text instead of by their verification: each proposal's tokens are compared with
 the tokens the rows go on to commit, verified or not. Verification accepts such a draft exactly
 when the committed token equals it (greedy or sampled), so the comparison is the acceptance the
-proposal would have had at every length, also on plain steps. Their rates a and c_j are kept
-by the state the row was in when the proposal was made (its latest compared proposal's first
-draft accepted or not, pooled over rows): hits come in runs, a copied span going on, so a row
-just past a hit drafts longer than one just past a miss. When such a drafter is also cheap
-(a proposal costs at most `SHADOW_SHARE` of a step) the loop asks it for K tokens every step,
-plain steps included ("shadow" proposals), and chooses each row's length after seeing what it
-was offered: rows without a proposal cost nothing, and acceptance is measured without paying
-for verification, where probing would.
+proposal would have had at every length, also on plain steps, from the first step on. Their
+first-draft rate a is kept by the state the row was in when the proposal was made (its latest
+compared proposal's first draft accepted or not, pooled over rows): hits come in runs, a copied
+span going on, so a row just past a hit drafts more often and longer than one just past a miss.
+The rates c_j are pooled over both states (once a first draft is accepted the span goes on
+alike, and a few dozen steps hold too few proposals to split them). When such a drafter is also
+cheap (a proposal costs at most `SHADOW_SHARE` of a step) the loop asks it for K tokens every
+step, plain steps included ("shadow" proposals), and chooses each row's length after seeing
+what it was offered: rows without a proposal cost nothing, and acceptance is measured without
+paying for verification, where probing would.
 
 The estimates live on the host: what they need (accepted counts, draft counts, phase times,
 the committed tokens and the proposals scored) arrives in the loop's one transfer per step, so
@@ -56,6 +64,8 @@ UNANSWERED_STEPS = 8
 # A deterministic drafter proposes K tokens every step when one proposal costs at most this share
 # of a step: the price of measuring its acceptance on plain steps.
 SHADOW_SHARE = 0.02
+
+LINE_WEIGHT = 2.0  # samples' worth of the fitted line in each token count's mean verify time
 
 
 class _DecayedLine:
@@ -118,13 +128,11 @@ class DraftLengths:
         # proposals still being compared, as [token ids, how many matched so far, state when made].
         self.deterministic = False  # the drafter's proposals are deterministic chains
         self.pending: list[list[list]] = [[] for _ in range(batch_size)]
-        # Acceptance of scored proposals by the state their row was in when proposed: 1 where the
-        # row's latest compared proposal had its first draft accepted (a copied span goes on),
-        # else 0; forgotten sums pooled over rows, as above.
+        # First-draft acceptance of scored proposals by the state their row was in when proposed:
+        # 1 where the row's latest compared proposal had its first draft accepted (a copied span
+        # goes on), else 0; forgotten sums pooled over rows, as above.
         self.state = [0] * batch_size
         self.state_first, self.state_accepted = [0.0, 0.0], [0.0, 0.0]
-        self.state_reached = [[0.0] * (max_tokens + 1) for _ in range(2)]
-        self.state_passed = [[0.0] * (max_tokens + 1) for _ in range(2)]
         self.shadowing = False  # asking K tokens every step (a cheap deterministic drafter)
         self.proposal_seconds = self.proposals = 0.0  # forgotten sums: seconds per proposal
         self.step_seconds = self.steps = 0.0  # forgotten sums: seconds per step
@@ -142,6 +150,7 @@ class DraftLengths:
         self.overhead = None  # seconds per step outside verification and drafting
         self.steps_seen = 0  # steps timed
         self.timed_drafts = False  # whether a verification with drafts was timed
+        self.token_seconds: float | None = None  # the prefill's seconds per prompt token
 
     def plan(self, rows: list[int], generated: dict[int, int]) -> int:
         """How many tokens per row to ask the drafter for next (0: no proposal, the next step
@@ -152,8 +161,11 @@ class DraftLengths:
         self.forecasts = {}
         if not self.adaptive:
             lengths = [self.K] * len(rows)
-        elif not self._ready():  # one-token drafts until they are timed, then plain steps (another count)
-            lengths = [1 if self.draft_tokens == 0 or not self.timed_drafts else 0] * len(rows)
+        elif not self._ready():
+            # One-token drafts until a drafting step is timed (the first step's times are not
+            # used; a step planned while a timed one is in flight waits for its outcome).
+            waiting = self.timed_drafts or (self.steps_seen > 0 and any(self._in_flight().values()))
+            lengths = [0 if waiting else 1] * len(rows)
         elif self.shadowing:  # chosen once the proposal is seen
             lengths = [self.K] * len(rows)
         else:
@@ -161,11 +173,13 @@ class DraftLengths:
         self.planned = {row: max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
                         for row, k in zip(rows, lengths, strict=True)}
         self.expected = {row: self.forecasts[row][k] for row, k in self.planned.items() if row in self.forecasts}
-        # Whether `choose` picks the lengths once the offer is seen: fixed here, as the plan was
-        # made (the measurements between may flip `shadowing`).
-        self.after_offer = self.adaptive and self.shadowing and self._ready()
+        # Whether `choose` picks the lengths once the offer is seen (where every cost is measured
+        # by then): fixed here, as the plan was made (the measurements between may flip
+        # `shadowing`). A deterministic drafter is asked for K until then too: its proposals
+        # are scored from the start.
+        self.after_offer = self.adaptive and (self.shadowing or (self.deterministic and not self._ready()))
         self.width = max(self.planned.values(), default=0)
-        if self.shadowing:
+        if self.after_offer:
             room = max((self.max_new_tokens - generated.get(row, 0) - 2 for row in rows), default=0)
             self.width = max(0, min(self.K, room))
         return self.width
@@ -185,7 +199,7 @@ class DraftLengths:
         each row's tokens so far: lengths chosen here leave out more than ``max_new_tokens -
         generated - 1`` drafts (the verification adds at least one more token); planned lengths
         were cut when planned (a tree's deeper nodes may still be kept after a cut by count)."""
-        best = self.after_offer
+        best = self.after_offer and self._ready()
         if best:
             lengths = [min(k, self.max_new_tokens - g - 1)
                        for k, g in zip(self._best(rows, offered), generated, strict=True)]
@@ -248,8 +262,6 @@ class DraftLengths:
                     else:
                         self.reached[matched + 1] += 1
                         self.passed[matched + 1] += hit
-                        self.state_reached[state][matched + 1] += 1
-                        self.state_passed[state][matched + 1] += hit
                     matched += 1
                     if not hit or matched == len(draft):
                         break
@@ -257,11 +269,24 @@ class DraftLengths:
                     still.append([draft, matched, state])
             self.pending[row] = still + ([[ids, 0, self.state[row]]] if ids else [])
 
+    def prefilled(self, seconds: float, tokens: int) -> None:
+        """The target's prefill took ``seconds`` over ``tokens`` prompt tokens: the verify cost's
+        slope until the run has timed two token counts (`_verify_line`)."""
+        if seconds > 0 and tokens > 0:
+            self.token_seconds = seconds / tokens
+
+    def _in_flight(self) -> dict[int, int]:
+        """Per row, the drafts of the verification made and not yet observed (the loop plans
+        the next step before the last one's outcome arrives)."""
+        return {} if self.verified is None else {row: drafted for row, _, drafted, _ in self.verified[0]}
+
     def _ready(self) -> bool:
-        """Whether every cost has been measured: a second verify width too, unless the drafter
-        has proposed nothing in `UNANSWERED_STEPS` timed steps (then there is no drafting to
-        price: the shares f say so, and the policy asks again as they recover)."""
-        measured = len(self.verify_at) > 1 or (self.steps_seen >= UNANSWERED_STEPS and not any(self.got))
+        """Whether every cost has been measured: a second verify width too, unless the prefill
+        gave the slope (`prefilled`) or the drafter has proposed nothing in `UNANSWERED_STEPS`
+        timed steps (then there is no drafting to price: the shares f say so, and the policy
+        asks again as they recover)."""
+        measured = (len(self.verify_at) > 1 or (self.token_seconds is not None and bool(self.verify_at))
+                    or (self.steps_seen >= UNANSWERED_STEPS and not any(self.got)))
         return measured and self.draft_tokens > 0 and self.overhead is not None
 
     def _predicted(self, tokens: float, width: int) -> float:
@@ -274,15 +299,18 @@ class DraftLengths:
     def _verify_seconds(self, tokens: float) -> float:
         """Seconds to verify ``tokens`` (a fractional count: the expected one): interpolated
         between the nearest token counts measured, extrapolated past them along the two nearest
-        (the slope within 0 and the line's cap); the line while one count is measured."""
+        (the slope within 0 and the line's cap); the line while one count is measured. A count's
+        mean is drawn toward the line by `LINE_WEIGHT` samples: one step's time swings by more
+        than a few drafts cost, so a count seen once or twice says little on its own."""
+        v0, v1 = self._verify_line()
         counts = sorted(self.verify_at)
         if len(counts) < 2:
-            v0, v1 = self._verify_line()
             return v0 + v1 * tokens
-        mean = {n: seconds / weight for n, (seconds, weight) in self.verify_at.items()}
+        mean = {n: (seconds + LINE_WEIGHT * (v0 + v1 * n)) / (weight + LINE_WEIGHT)
+                for n, (seconds, weight) in self.verify_at.items()}
         if tokens <= counts[0] or tokens >= counts[-1]:
             n0, n1 = counts[:2] if tokens <= counts[0] else counts[-2:]
-            slope = min(max((mean[n1] - mean[n0]) / (n1 - n0), 0.0), self._verify_line()[1])
+            slope = min(max((mean[n1] - mean[n0]) / (n1 - n0), 0.0), v1)
             base = n0 if tokens <= counts[0] else n1
             return mean[base] + slope * (tokens - base)
         n1 = next(n for n in counts if n >= tokens)
@@ -294,11 +322,16 @@ class DraftLengths:
         """(v0, v1) of ``V(n) = v0 + v1 n``, the slope capped at the mean seconds per token of the
         measured tokens: a forward over more tokens never costs more per token than over fewer
         (a mis-measured slope, e.g. from a first call at a new shape, is kept within that). Until
-        two token counts are measured the slope is that cap: drafting is not assumed cheap;
-        while recent samples share one count, the slope last fitted stands."""
+        two token counts are measured the slope is the prefill's seconds per prompt token
+        (`prefilled`; a forward over many tokens per row, so no cheaper per token than a
+        verification's few), within the cap, or without a prefill the cap itself: drafting is not
+        assumed cheap; while recent samples share one count, the slope last fitted stands."""
         v0, v1 = self.verify.coefficients()
         mean_x = self.verify.x / self.verify.w
         cap = (v0 + (v1 or 0.0) * mean_x) / mean_x
+        if v1 is None and self.token_seconds is not None:
+            v1 = min(self.token_seconds, cap)
+            return v0 - v1 * mean_x, v1
         if v1 is None or v1 > cap:
             return v0 + ((v1 or 0.0) - cap) * mean_x, cap
         return v0, v1
@@ -311,27 +344,27 @@ class DraftLengths:
         run = [1.0]  # P(drafts 2 .. j accepted | draft 1 accepted), j = 1 .. K
         for j in range(2, K + 1):
             run.append(run[-1] * (self.passed[j] + 1) / (self.reached[j] + 2))
-        runs = [[1.0], [1.0]]  # the same by state (scored proposals)
-        for s, state_run in enumerate(runs):
-            for j in range(2, K + 1):
-                state_run.append(state_run[-1] * (self.state_passed[s][j] + 1) / (self.state_reached[s][j] + 2))
-        gains, shares = [], []  # G_b(k) for k = 0 .. K (corrected by the realized share), and f_b
+        gains, shares, limits = [], [], []  # G_b(k) for k = 0 .. K (corrected by the realized share), f_b, ...
         self.forecasts = {}
         calibration = (self.realized + 2) / (self.forecast + 2)
+        in_flight = self._in_flight()
         for i, r in enumerate(rows):
-            a = (self.first_accepted[r] + 1) / (self.first_drafts[r] + 2)
-            row_run = run
+            # A verification still in flight (planning runs before its outcome is read) counts
+            # as a miss: a row probed once is not probed again on the same evidence.
+            missed = offered is None and in_flight.get(r, 0) > 0
+            a = (self.first_accepted[r] + 1) / (self.first_drafts[r] + missed + 2)
             if self.deterministic:  # scored: by the row's state (a copied span tends to go on)
                 s = self.state[r]
-                a, row_run = (self.state_accepted[s] + 1) / (self.state_first[s] + 2), runs[s]
+                a = (self.state_accepted[s] + 1) / (self.state_first[s] + 2)
             f = 1.0 if offered is not None else (self.got[r] + 1) / (self.asked[r] + 1)
             limit = K if offered is None else offered[i]  # past it, length buys nothing
             gain = [0.0]
             for j in range(1, K + 1):
-                gain.append(gain[-1] + (f * a * row_run[j - 1] if j <= limit else 0.0))
+                gain.append(gain[-1] + (f * a * run[j - 1] if j <= limit else 0.0))
             self.forecasts[r] = gain
             gains.append([calibration * g for g in gain])
             shares.append(f)
+            limits.append(limit)
         v1 = self._verify_line()[1]
         rate, best = b / self._predicted(b, 0), [0] * b  # plain decoding
         for _ in range(3):
@@ -344,16 +377,21 @@ class DraftLengths:
                         top = k
                     row_choice.append(top)
                 choices.append(row_choice)
-            best_w, best_rate = None, rate * (1 + 1e-9)
+            # Each cap's choices, and every row at its whole length up to the cap: the row choices
+            # price drafts along the line's slope, but a forward's cost can jump at its first
+            # draft and hardly grow after (at batch 1 on a CPU, matrix-vector products give way to
+            # matrix products), which the measured seconds per count show and the slope cannot.
+            improved = None
             for w in range(K + 1):
-                tokens = b + sum(f * c[w] for f, c in zip(shares, choices, strict=True))
-                expected = b + sum(g[c[w]] for g, c in zip(gains, choices, strict=True))
-                seconds = self._predicted(tokens, max(c[w] for c in choices))
-                if expected / seconds > best_rate:
-                    best_w, best_rate = w, expected / seconds
-            if best_w is None:
+                for choice in ([c[w] for c in choices], [min(w, limit) for limit in limits]):
+                    tokens = b + sum(f * k for f, k in zip(shares, choice, strict=True))
+                    expected = b + sum(g[k] for g, k in zip(gains, choice, strict=True))
+                    seconds = self._predicted(tokens, max(choice))
+                    if expected / seconds > rate * (1 + 1e-9):
+                        improved, rate = choice, expected / seconds
+            if improved is None:
                 break
-            rate, best = best_rate, [c[best_w] for c in choices]
+            best = improved
         return best
 
     def _measured(self, rows: list[int], asked: list[int], proposed: list[int], accepted: list[int],
@@ -365,7 +403,7 @@ class DraftLengths:
         per row, 0 if none was made) and the whole step from one transfer to the next (not
         costs where ``timed`` is False)."""
         for sums in (self.first_drafts, self.first_accepted, self.asked, self.got, self.reached, self.passed,
-                     self.state_first, self.state_accepted, *self.state_reached, *self.state_passed):
+                     self.state_first, self.state_accepted):
             sums[:] = [DECAY * x for x in sums]
         self.realized, self.forecast = DECAY * self.realized, DECAY * self.forecast
         for expected, m in zip(forecast or [], accepted, strict=False):
@@ -383,9 +421,9 @@ class DraftLengths:
             for j in range(2, min(p, m + 1) + 1):  # drafts 2 .. p whose predecessor was accepted
                 self.reached[j] += 1
                 self.passed[j] += m >= j
-        # A step that took far longer than its prediction was preempted or met a new shape, and
-        # the first verification pays one-time costs (allocations, kernel choices): they do not
-        # tell the costs of the next steps. (The proposal measured with the first is the second.)
+        # A step that took far longer than its prediction was preempted or met a new shape: it
+        # does not tell the costs of the next steps. The first verification may pay one-time
+        # costs (allocations, kernel choices): its times only stand in until the second's.
         if not timed:
             return
         self.steps_seen += 1
@@ -396,8 +434,9 @@ class DraftLengths:
             self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
             self.proposal_seconds = COST_DECAY * self.proposal_seconds + draft_s
             self.proposals = COST_DECAY * self.proposals + 1
-        if self.steps_seen == 1:
-            return
+        if self.steps_seen == 2:  # the first step's times stood in until now (module docstring)
+            self.verify, self.verify_at, self.overhead = _DecayedLine(), {}, None
+            self.step_seconds, self.steps, self.timed_drafts = 0.0, 0.0, False
         self.step_seconds = COST_DECAY * self.step_seconds + step_s
         self.steps = COST_DECAY * self.steps + 1
         self.shadowing = (self.deterministic and self.proposals > 0
