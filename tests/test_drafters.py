@@ -390,6 +390,88 @@ def test_a_useless_draft_is_probed_rarely():
     assert extra < 0.02 * 0.033 * len(chosen), len(drafting)
 
 
+def in_loop_order(policy, rows, steps, accept, verify_s, draft_s, prefill_s=None):
+    """Run ``policy`` as `speculative_generate` calls it: each step's proposal is planned before
+    the previous verification's outcome is observed. ``accept(row, k)``, ``verify_s(tokens)``
+    and ``draft_s(width)`` as in `simulate`; ``prefill_s``: seconds per prompt token, if any.
+    Returns the lengths verified per step."""
+    chosen, outcome = [], None
+    width = policy.plan(rows, {})
+    for _ in range(steps):
+        if outcome is not None:
+            if prefill_s is not None and len(chosen) == 1:
+                policy.prefilled(100 * prefill_s, 100)
+            policy.observe(rows, *outcome, draft_s(width))
+        lengths = policy.choose(rows, [width] * len(rows), [0] * len(rows))
+        tokens = len(rows) + sum(lengths)
+        policy.verifying(rows, dict(zip(rows, lengths, strict=True)), tokens)
+        chosen.append(lengths)
+        outcome = [accept(r, k) for r, k in zip(rows, lengths, strict=True)], verify_s(tokens)
+        width = policy.plan(rows, {})
+    return chosen
+
+
+def test_a_useless_draft_is_probed_one_step_at_a_time():
+    """The loop plans a step before the last one's outcome arrives: a probe still being verified
+    counts as a miss, so a failed probe is not followed by another on the same evidence."""
+    policy = DraftLengths(4, 10**6, 1, adaptive=True)
+    chosen = in_loop_order(policy, [0], 400, accept=lambda r, k: 0, verify_s=lambda n: 0.030 + 0.001 * n,
+                           draft_s=lambda w: 0.006 * w, prefill_s=0.002)
+    drafting = [i for i, lengths in enumerate(chosen) if lengths[0] > 0]
+    assert drafting[:2] == [0, 1]  # the start: one probe before the costs are known, one timed
+    assert all(b - a > 1 for a, b in zip(drafting[1:], drafting[2:], strict=False)), drafting
+    extra = sum(0.006 * k + 0.001 * k for k, in chosen[2:])
+    assert extra < 0.02 * 0.031 * len(chosen), drafting
+
+
+def test_the_prefill_prices_verification_until_two_counts_are_timed():
+    """With the prefill's seconds per token the policy starts after one timed step (the first
+    stands in until the second replaces it), and a good draft is used at once; without it the
+    policy first times a drafting step and a plain one."""
+    def good(row, k):
+        return k
+
+    def run(prefill_s):
+        policy = DraftLengths(4, 10**6, 1, adaptive=True)
+        return in_loop_order(policy, [0], 12, good, verify_s=lambda n: 0.030 + 0.0005 * n,
+                             draft_s=lambda w: 0.0003 * w, prefill_s=prefill_s)
+
+    with_prefill, without = [k for k, in run(0.0015)], [k for k, in run(None)]
+    assert with_prefill[:2] == [1, 1] and 0 not in with_prefill and with_prefill[-1] == 4, with_prefill
+    assert 0 in without[:5] and without[-1] == 4, without
+
+
+def test_whole_lengths_are_priced_by_the_seconds_measured_per_count():
+    """A forward whose cost jumps at its second draft and then stays flat (as at batch 1 on a
+    CPU): drafting the whole offer beats stopping short, which a line through the counts would
+    choose (it charges each draft the average slope)."""
+    policy = DraftLengths(4, 10**6, 1, adaptive=True)
+    seconds = {1: 0.030, 2: 0.031, 3: 0.037, 4: 0.037, 5: 0.037}
+    for _ in range(60):
+        for n, v in seconds.items():
+            policy.verify.add(n, v)
+            total, weight = policy.verify_at.get(n, (0.0, 0.0))
+            policy.verify_at[n] = (total + v, weight + 1)
+    policy.overhead, policy.draft_seconds, policy.draft_tokens = 0.0005, 0.0, 1.0
+    policy.first_drafts[0], policy.first_accepted[0] = 1000.0, 500.0  # a = 1/2
+    policy.reached[2:5] = [500.0, 250.0, 125.0]
+    policy.passed[2:5] = [250.0, 125.0, 62.0]  # c_j = 1/2
+    assert policy._best([0]) == [4]
+
+
+def test_a_count_seen_once_is_drawn_toward_the_line():
+    """One sample of a token count does not outweigh the line fitted to every step."""
+    policy = DraftLengths(4, 10**6, 1, adaptive=True)
+    for _ in range(20):
+        for n in (1, 5):
+            policy.verify.add(n, 0.030 + 0.001 * n)
+            total, weight = policy.verify_at.get(n, (0.0, 0.0))
+            policy.verify_at[n] = (total + 0.030 + 0.001 * n, weight + 1)
+    policy.verify.add(3, 0.060)
+    policy.verify_at[3] = (0.060, 1.0)
+    assert 0.033 < policy._verify_seconds(3) < 0.045
+
+
 def test_a_good_draft_is_used_at_full_length():
     """Drafts accepted 90% of the time, verification nearly free per token: K every step."""
     policy = DraftLengths(4, 10**6, 2, adaptive=True)
