@@ -22,13 +22,12 @@ fast, `COST_DECAY`, so that a slow start or a change of load soon stops counting
 follows the text as it changes; a row whose drafts kept failing also drifts back to the prior
 (rates of 1/2) and is probed again with one draft token, after enough plain steps that the
 probes cost little; a probe still being verified counts as a miss when the next step is planned.
-Before costs are measured, steps draft one token per row. The first step's times stand in
-until the second's replace them (it may pay one-time costs; a step that ran a CUDA-graph shape
-eagerly or recorded it is not timed at all), and the verify cost's slope is the prefill's
-seconds per prompt token until two token counts are timed, so the policy starts after one
-timed step (without a prefill's time, after a drafting step and a plain one). A drafter that
-has proposed nothing in the first steps leaves no drafting to price: the policy then starts
-without, and its shares f keep asking rare.
+Before costs are measured, steps draft one token per row until a drafting step has been
+timed, then decode plainly until a second token count has been timed. The first step's times
+stand in until the second's replace them (it may pay one-time costs; a step that ran a
+CUDA-graph shape eagerly or recorded it is not timed at all). A drafter that has proposed
+nothing in the first steps leaves no drafting to price: the policy then starts without, and
+its shares f keep asking rare.
 
 Deterministic chains (no draft logits, no tree: prompt lookup, n-gram drafters) are scored
 against the text instead of by their verification: each proposal's tokens are compared with
@@ -150,7 +149,6 @@ class DraftLengths:
         self.overhead = None  # seconds per step outside verification and drafting
         self.steps_seen = 0  # steps timed
         self.timed_drafts = False  # whether a verification with drafts was timed
-        self.token_seconds: float | None = None  # the prefill's seconds per prompt token
 
     def plan(self, rows: list[int], generated: dict[int, int]) -> int:
         """How many tokens per row to ask the drafter for next (0: no proposal, the next step
@@ -269,24 +267,16 @@ class DraftLengths:
                     still.append([draft, matched, state])
             self.pending[row] = still + ([[ids, 0, self.state[row]]] if ids else [])
 
-    def prefilled(self, seconds: float, tokens: int) -> None:
-        """The target's prefill took ``seconds`` over ``tokens`` prompt tokens: the verify cost's
-        slope until the run has timed two token counts (`_verify_line`)."""
-        if seconds > 0 and tokens > 0:
-            self.token_seconds = seconds / tokens
-
     def _in_flight(self) -> dict[int, int]:
         """Per row, the drafts of the verification made and not yet observed (the loop plans
         the next step before the last one's outcome arrives)."""
         return {} if self.verified is None else {row: drafted for row, _, drafted, _ in self.verified[0]}
 
     def _ready(self) -> bool:
-        """Whether every cost has been measured: a second verify width too, unless the prefill
-        gave the slope (`prefilled`) or the drafter has proposed nothing in `UNANSWERED_STEPS`
-        timed steps (then there is no drafting to price: the shares f say so, and the policy
-        asks again as they recover)."""
-        measured = (len(self.verify_at) > 1 or (self.token_seconds is not None and bool(self.verify_at))
-                    or (self.steps_seen >= UNANSWERED_STEPS and not any(self.got)))
+        """Whether every cost has been measured: a second verify width too, unless the drafter
+        has proposed nothing in `UNANSWERED_STEPS` timed steps (then there is no drafting to
+        price: the shares f say so, and the policy asks again as they recover)."""
+        measured = len(self.verify_at) > 1 or (self.steps_seen >= UNANSWERED_STEPS and not any(self.got))
         return measured and self.draft_tokens > 0 and self.overhead is not None
 
     def _predicted(self, tokens: float, width: int) -> float:
@@ -322,16 +312,11 @@ class DraftLengths:
         """(v0, v1) of ``V(n) = v0 + v1 n``, the slope capped at the mean seconds per token of the
         measured tokens: a forward over more tokens never costs more per token than over fewer
         (a mis-measured slope, e.g. from a first call at a new shape, is kept within that). Until
-        two token counts are measured the slope is the prefill's seconds per prompt token
-        (`prefilled`; a forward over many tokens per row, so no cheaper per token than a
-        verification's few), within the cap, or without a prefill the cap itself: drafting is not
-        assumed cheap; while recent samples share one count, the slope last fitted stands."""
+        two token counts are measured the slope is that cap: drafting is not assumed cheap;
+        while recent samples share one count, the slope last fitted stands."""
         v0, v1 = self.verify.coefficients()
         mean_x = self.verify.x / self.verify.w
         cap = (v0 + (v1 or 0.0) * mean_x) / mean_x
-        if v1 is None and self.token_seconds is not None:
-            v1 = min(self.token_seconds, cap)
-            return v0 - v1 * mean_x, v1
         if v1 is None or v1 > cap:
             return v0 + ((v1 or 0.0) - cap) * mean_x, cap
         return v0, v1

@@ -604,8 +604,6 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             text, proposal = (read + [None, None])[:2]
             stream.put(text)
             scoring = (text, proposal and [ids[:n] for ids, n in zip(proposal, offered, strict=True)]) if scored else ()
-            if stats.target_forwards == 1:  # the prefill's time is known after this first transfer (CUDA events)
-                lengths.prefilled(timer.last("prefill"), request.prompt_tokens)
             lengths.observe(host_rows, accepted_list, timer.last("verify"), timer.last("draft"), *scoring)
             if not running:
                 break

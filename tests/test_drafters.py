@@ -390,23 +390,21 @@ def test_a_useless_draft_is_probed_rarely():
     assert extra < 0.02 * 0.033 * len(chosen), len(drafting)
 
 
-def in_loop_order(policy, rows, steps, accept, verify_s, draft_s, prefill_s=None):
+def in_loop_order(policy, rows, steps, accept, verify_s, draft_s):
     """Run ``policy`` as `speculative_generate` calls it: each step's proposal is planned before
     the previous verification's outcome is observed. ``accept(row, k)``, ``verify_s(tokens)``
-    and ``draft_s(width)`` as in `simulate`; ``prefill_s``: seconds per prompt token, if any.
-    Returns the lengths verified per step."""
+    and ``draft_s(width)`` as in `simulate` (``verify_s`` also gets the step's index). Returns
+    the lengths verified per step."""
     chosen, outcome = [], None
     width = policy.plan(rows, {})
     for _ in range(steps):
         if outcome is not None:
-            if prefill_s is not None and len(chosen) == 1:
-                policy.prefilled(100 * prefill_s, 100)
             policy.observe(rows, *outcome, draft_s(width))
         lengths = policy.choose(rows, [width] * len(rows), [0] * len(rows))
         tokens = len(rows) + sum(lengths)
         policy.verifying(rows, dict(zip(rows, lengths, strict=True)), tokens)
         chosen.append(lengths)
-        outcome = [accept(r, k) for r, k in zip(rows, lengths, strict=True)], verify_s(tokens)
+        outcome = [accept(r, k) for r, k in zip(rows, lengths, strict=True)], verify_s(tokens, len(chosen) - 1)
         width = policy.plan(rows, {})
     return chosen
 
@@ -415,8 +413,8 @@ def test_a_useless_draft_is_probed_one_step_at_a_time():
     """The loop plans a step before the last one's outcome arrives: a probe still being verified
     counts as a miss, so a failed probe is not followed by another on the same evidence."""
     policy = DraftLengths(4, 10**6, 1, adaptive=True)
-    chosen = in_loop_order(policy, [0], 400, accept=lambda r, k: 0, verify_s=lambda n: 0.030 + 0.001 * n,
-                           draft_s=lambda w: 0.006 * w, prefill_s=0.002)
+    chosen = in_loop_order(policy, [0], 400, accept=lambda r, k: 0, verify_s=lambda n, step: 0.030 + 0.001 * n,
+                           draft_s=lambda w: 0.006 * w)
     drafting = [i for i, lengths in enumerate(chosen) if lengths[0] > 0]
     assert drafting[:2] == [0, 1]  # the start: one probe before the costs are known, one timed
     assert all(b - a > 1 for a, b in zip(drafting[1:], drafting[2:], strict=False)), drafting
@@ -424,21 +422,16 @@ def test_a_useless_draft_is_probed_one_step_at_a_time():
     assert extra < 0.02 * 0.031 * len(chosen), drafting
 
 
-def test_the_prefill_prices_verification_until_two_counts_are_timed():
-    """With the prefill's seconds per token the policy starts after one timed step (the first
-    stands in until the second replaces it), and a good draft is used at once; without it the
-    policy first times a drafting step and a plain one."""
-    def good(row, k):
-        return k
-
-    def run(prefill_s):
-        policy = DraftLengths(4, 10**6, 1, adaptive=True)
-        return in_loop_order(policy, [0], 12, good, verify_s=lambda n: 0.030 + 0.0005 * n,
-                             draft_s=lambda w: 0.0003 * w, prefill_s=prefill_s)
-
-    with_prefill, without = [k for k, in run(0.0015)], [k for k, in run(None)]
-    assert with_prefill[:2] == [1, 1] and 0 not in with_prefill and with_prefill[-1] == 4, with_prefill
-    assert 0 in without[:5] and without[-1] == 4, without
+def test_a_slow_first_step_stands_in_only_until_the_second():
+    """The first step may pay one-time costs (here 50 times a step's): its times serve until the
+    second step's replace them, and a good draft is drafted in full soon after the start (a
+    drafting step and a plain one timed)."""
+    policy = DraftLengths(4, 10**6, 1, adaptive=True)
+    chosen = in_loop_order(policy, [0], 14, accept=lambda r, k: k,
+                           verify_s=lambda n, step: (50 if step == 0 else 1) * (0.030 + 0.0005 * n),
+                           draft_s=lambda w: 0.0003 * w)
+    lengths = [k for k, in chosen]
+    assert lengths[:2] == [1, 1] and 0 in lengths[2:5] and lengths[-4:] == [4] * 4, lengths
 
 
 def test_whole_lengths_are_priced_by_the_seconds_measured_per_count():
