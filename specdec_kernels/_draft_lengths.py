@@ -21,10 +21,11 @@ Every estimate is forgotten exponentially, step by step (acceptance slowly, `DEC
 fast, `COST_DECAY`, so that a slow start or a change of load soon stops counting), so it
 follows the text as it changes; a row whose drafts kept failing also drifts back to the prior
 (rates of 1/2) and is probed again with one draft token, after enough plain steps that the
-probes cost little; a probe still being verified counts as a miss when the next step is planned.
+probes cost little; a row's first draft still being verified counts as a miss when the next
+step is planned (a failed probe is not repeated on the same evidence).
 Before costs are measured, steps draft one token per row until a drafting step has been
-timed, then decode plainly until a second token count has been timed. The first step's times
-stand in until the second's replace them (it may pay one-time costs; a step that ran a
+timed, then decode plainly until a second token count has been timed. The first step's verify and
+step times stand in until the second's replace them (it may pay one-time costs; a step that ran a
 CUDA-graph shape eagerly or recorded it is not timed at all). A drafter that has proposed
 nothing in the first steps leaves no drafting to price: the policy then starts without, and
 its shares f keep asking rare.
@@ -56,7 +57,7 @@ import time
 from .cuda_graphs import GraphedForward
 
 DECAY = 0.98  # acceptance, per step: what was seen ~35 steps ago weighs half
-COST_DECAY = 0.95  # times, per step: ~20 steps averaged (the first step and outliers are dropped)
+COST_DECAY = 0.95  # times, per step: ~20 steps averaged (outliers are dropped, the first step replaced)
 # Timed steps a drafter may answer with nothing before the policy starts without drafting costs
 # (a text's first n-grams often match nothing yet: asking a few steps more is cheap).
 UNANSWERED_STEPS = 8
@@ -112,7 +113,7 @@ class DraftLengths:
         self.planned: dict[int, int] = {}  # the lengths planned for the proposal being made
         self.chosen: dict[int, int] = {}  # the lengths being verified
         self.width = 0  # tokens per row asked of the drafter for the proposal being made
-        self.after_offer = False  # the lengths are chosen once the proposal is seen (shadowing)
+        self.after_offer = False  # the lengths are chosen once the proposal is seen (shadowing; scored start-up)
         # (row, tokens planned, drafted, forecast accepted) per row verified, and tokens verified
         self.verified: tuple[list[tuple[int, int, int, float | None]], int] | None = None
         self.clock = time.perf_counter()
@@ -160,8 +161,9 @@ class DraftLengths:
         if not self.adaptive:
             lengths = [self.K] * len(rows)
         elif not self._ready():
-            # One-token drafts until a drafting step is timed (the first step's times are not
-            # used; a step planned while a timed one is in flight waits for its outcome).
+            # One-token drafts until a drafting step is timed (the first step's times are
+            # replaced by the second's; a step planned while a drafting step is in flight
+            # waits for its outcome).
             waiting = self.timed_drafts or (self.steps_seen > 0 and any(self._in_flight().values()))
             lengths = [0 if waiting else 1] * len(rows)
         elif self.shadowing:  # chosen once the proposal is seen
@@ -192,8 +194,9 @@ class DraftLengths:
 
     def choose(self, rows: list[int], offered: list[int], generated: list[int]) -> list[int]:
         """Each row's draft length for the next verification (0 .. ``offered``, what the drafter
-        proposed for it), for the batch's ``rows`` still running: the planned lengths, or, when
-        shadowing and every cost is measured, the best lengths given the offers. ``generated``:
+        proposed for it), for the batch's ``rows`` still running: the planned lengths, or, where
+        the plan asked for K to see the offer (shadowing, or a scored drafter before its costs
+        are known) and every cost is measured by now, the best lengths given the offers. ``generated``:
         each row's tokens so far: lengths chosen here leave out more than ``max_new_tokens -
         generated - 1`` drafts (the verification adds at least one more token); planned lengths
         were cut when planned (a tree's deeper nodes may still be kept after a cut by count)."""
@@ -233,6 +236,8 @@ class DraftLengths:
         if self.verified is None:
             return
         (verified, tokens), width = self.verified, self.width
+        if self.after_offer and not self.shadowing:  # asked K to score it, priced as the planned width
+            width = max(self.planned.values(), default=0)
         self.verified = None
         accepted = dict(zip(rows, accepted, strict=True))
         rows, asked, got, forecast = (list(column) for column in zip(*verified, strict=True))
@@ -409,6 +414,7 @@ class DraftLengths:
         # A step that took far longer than its prediction was preempted or met a new shape: it
         # does not tell the costs of the next steps. The first verification may pay one-time
         # costs (allocations, kernel choices): its times only stand in until the second's.
+        # (The proposal measured with the first is the second: drafting times are kept.)
         if not timed:
             return
         self.steps_seen += 1
