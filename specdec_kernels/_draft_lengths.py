@@ -284,25 +284,31 @@ class DraftLengths:
         measured = len(self.verify_at) > 1 or (self.steps_seen >= UNANSWERED_STEPS and not any(self.got))
         return measured and self.draft_tokens > 0 and self.overhead is not None
 
-    def _predicted(self, tokens: float, width: int) -> float:
+    def _predicted(self, tokens: float, width: int, curve: tuple | None = None) -> float:
         """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row (when
-        shadowing, a proposal of K whatever is verified)."""
+        shadowing, a proposal of K whatever is verified); ``curve``: `_verify_curve`, if made."""
         drafting = (self.proposal_seconds / self.proposals if self.shadowing
                     else self.draft_seconds / self.draft_tokens * width)
-        return self.overhead + self._verify_seconds(tokens) + drafting
+        return self.overhead + self._verify_seconds(tokens, curve) + drafting
 
-    def _verify_seconds(self, tokens: float) -> float:
-        """Seconds to verify ``tokens`` (a fractional count: the expected one): interpolated
-        between the nearest token counts measured, extrapolated past them along the two nearest
-        (the slope within 0 and the line's cap); the line while one count is measured. A count's
-        mean is drawn toward the line by `LINE_WEIGHT` samples: one step's time swings by more
-        than a few drafts cost, so a count seen once or twice says little on its own."""
+    def _verify_curve(self) -> tuple[float, float, list[int], dict[int, float]]:
+        """What `_verify_seconds` reads: the line (v0, v1), the token counts measured and their
+        means, each drawn toward the line by `LINE_WEIGHT` samples (one step's time swings by
+        more than a few drafts cost, so a count seen once or twice says little on its own).
+        Made once per choice of lengths, which prices many candidates."""
         v0, v1 = self._verify_line()
-        counts = sorted(self.verify_at)
-        if len(counts) < 2:
-            return v0 + v1 * tokens
         mean = {n: (seconds + LINE_WEIGHT * (v0 + v1 * n)) / (weight + LINE_WEIGHT)
                 for n, (seconds, weight) in self.verify_at.items()}
+        return v0, v1, sorted(mean), mean
+
+    def _verify_seconds(self, tokens: float, curve: tuple | None = None) -> float:
+        """Seconds to verify ``tokens`` (a fractional count: the expected one): interpolated
+        between the nearest token counts measured, extrapolated past them along the two nearest
+        (the slope within 0 and the line's cap); the line while one count is measured
+        (`_verify_curve`, or ``curve`` as it made)."""
+        v0, v1, counts, mean = curve or self._verify_curve()
+        if len(counts) < 2:
+            return v0 + v1 * tokens
         if tokens <= counts[0] or tokens >= counts[-1]:
             n0, n1 = counts[:2] if tokens <= counts[0] else counts[-2:]
             slope = min(max((mean[n1] - mean[n0]) / (n1 - n0), 0.0), v1)
@@ -334,7 +340,8 @@ class DraftLengths:
         run = [1.0]  # P(drafts 2 .. j accepted | draft 1 accepted), j = 1 .. K
         for j in range(2, K + 1):
             run.append(run[-1] * (self.passed[j] + 1) / (self.reached[j] + 2))
-        gains, shares, limits = [], [], []  # G_b(k) for k = 0 .. K (corrected by the realized share), f_b, ...
+        # G_b(k) for k = 0 .. K (corrected by the realized share), f_b, and the longest length that gains
+        gains, shares, limits = [], [], []
         self.forecasts = {}
         calibration = (self.realized + 2) / (self.forecast + 2)
         in_flight = self._in_flight()
@@ -355,8 +362,9 @@ class DraftLengths:
             gains.append([calibration * g for g in gain])
             shares.append(f)
             limits.append(limit)
-        v1 = self._verify_line()[1]
-        rate, best = b / self._predicted(b, 0), [0] * b  # plain decoding
+        curve = self._verify_curve()
+        v1 = curve[1]
+        rate, best = b / self._predicted(b, 0, curve), [0] * b  # plain decoding
         for _ in range(3):
             # For each cap w, every row's best length k <= w at this rate (ties: the shorter).
             choices = []  # [row][w]
@@ -376,7 +384,7 @@ class DraftLengths:
                 for choice in ([c[w] for c in choices], [min(w, limit) for limit in limits]):
                     tokens = b + sum(f * k for f, k in zip(shares, choice, strict=True))
                     expected = b + sum(g[k] for g, k in zip(gains, choice, strict=True))
-                    seconds = self._predicted(tokens, max(choice))
+                    seconds = self._predicted(tokens, max(choice), curve)
                     if expected / seconds > rate * (1 + 1e-9):
                         improved, rate = choice, expected / seconds
             if improved is None:
