@@ -26,7 +26,12 @@ step is planned (a failed probe is not repeated on the same evidence).
 Before costs are measured, steps draft one token per row until a drafting step has been
 timed, then decode plainly until a second token count has been timed. The first step's verify and
 step times stand in until the second's replace them (it may pay one-time costs; a step that ran a
-CUDA-graph shape eagerly or recorded it is not timed at all). A drafter that has proposed
+CUDA-graph shape eagerly or recorded it is not timed at all). The verify costs (the line, the
+seconds per token count, the loop's overhead) belong to the target, not to the text or the
+drafter: a call starts from those an earlier call measured on the same target object at the
+same batch size (`known_costs`), so only the drafting needs a timed step before the policy
+chooses; its own first step is then not timed, and its steps soon outweigh the carried ones
+(`COST_DECAY`). Acceptance is never carried: it belongs to the text. A drafter that has proposed
 nothing in the first steps leaves no drafting to price: the policy then starts without, and
 its shares f keep asking rare.
 
@@ -52,7 +57,9 @@ choosing adds no synchronization.
 
 from __future__ import annotations
 
+import copy
 import time
+import weakref
 
 from .cuda_graphs import GraphedForward
 
@@ -66,6 +73,21 @@ UNANSWERED_STEPS = 8
 SHADOW_SHARE = 0.02
 
 LINE_WEIGHT = 2.0  # samples' worth of the fitted line in each token count's mean verify time
+
+
+# Verify costs per target object, then per batch size and way of running (device, CUDA graphs).
+_KNOWN_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def known_costs(target, key: tuple) -> dict:
+    """The verify costs adaptive speculation measured on ``target`` (at ``key``: batch size and
+    way of running) in earlier calls of this process, as a dict that `DraftLengths` reads at its
+    start and keeps current (empty before any, or where ``target`` cannot be weakly referenced:
+    nothing is then carried). Dropped with the target."""
+    try:
+        return _KNOWN_COSTS.setdefault(target, {}).setdefault(key, {})
+    except TypeError:
+        return {}
 
 
 class _DecayedLine:
@@ -108,7 +130,8 @@ class DraftLengths:
     was given length k.
     """
 
-    def __init__(self, max_tokens: int, max_new_tokens: int, batch_size: int, adaptive: bool) -> None:
+    def __init__(self, max_tokens: int, max_new_tokens: int, batch_size: int, adaptive: bool,
+                 known: dict | None = None) -> None:
         self.K, self.max_new_tokens, self.adaptive = max_tokens, max_new_tokens, adaptive
         self.planned: dict[int, int] = {}  # the lengths planned for the proposal being made
         self.chosen: dict[int, int] = {}  # the lengths being verified
@@ -150,6 +173,11 @@ class DraftLengths:
         self.overhead = None  # seconds per step outside verification and drafting
         self.steps_seen = 0  # steps timed
         self.timed_drafts = False  # whether a verification with drafts was timed
+        # Verify costs measured by earlier calls (`known_costs`), kept current in ``known``.
+        self.known, self.carried = known, bool(adaptive and known)
+        if self.carried:
+            self.verify, self.verify_at = copy.copy(known["verify"]), dict(known["verify_at"])
+            self.overhead = known["overhead"]
 
     def plan(self, rows: list[int], generated: dict[int, int]) -> int:
         """How many tokens per row to ask the drafter for next (0: no proposal, the next step
@@ -433,16 +461,21 @@ class DraftLengths:
             self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
             self.proposal_seconds = COST_DECAY * self.proposal_seconds + draft_s
             self.proposals = COST_DECAY * self.proposals + 1
-        if self.steps_seen == 2:  # the first step's times stood in until now (module docstring)
+        if self.steps_seen == 2 and not self.carried:  # the first step's times stood in until now (module docstring)
             self.verify, self.verify_at, self.overhead = _DecayedLine(), {}, None
             self.step_seconds, self.steps, self.timed_drafts = 0.0, 0.0, False
         self.step_seconds = COST_DECAY * self.step_seconds + step_s
         self.steps = COST_DECAY * self.steps + 1
         self.shadowing = (self.deterministic and self.proposals > 0
                           and self.proposal_seconds / self.proposals <= SHADOW_SHARE * self.step_seconds / self.steps)
-        self.verify.add(verify_tokens, verify_s)
         self.timed_drafts |= verify_tokens > len(rows)
+        if self.carried and self.steps_seen == 1:  # the carried costs stand in for the first step's
+            return
+        self.verify.add(verify_tokens, verify_s)
         seconds, weight = self.verify_at.get(verify_tokens, (0.0, 0.0))
         self.verify_at[verify_tokens] = (COST_DECAY * seconds + verify_s, COST_DECAY * weight + 1)
         rest = max(0.0, step_s - verify_s - draft_s)
         self.overhead = rest if self.overhead is None else COST_DECAY * self.overhead + (1 - COST_DECAY) * rest
+        if self.known is not None and len(self.verify_at) > 1 and (self.carried or self.steps_seen > 2):
+            # For the next call (`known_costs`): the live estimates, copied when it starts.
+            self.known.update(verify=self.verify, verify_at=self.verify_at, overhead=self.overhead)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import is_int, is_real
-from ._draft_lengths import DraftLengths
+from ._draft_lengths import DraftLengths, known_costs
 from ._model_calls import (
     _accepts,
     _check_model,
@@ -521,7 +521,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             ``max_new_tokens - 1`` are: drafts past the budget could never be kept).
         adaptive: choose each row's draft length (0 .. K) every step from the acceptance and the
             draft and verify costs measured in this run (`specdec_kernels._draft_lengths`); a step
-            where no draft pays for its verification decodes plainly. False: K every step.
+            where no draft pays for its verification decodes plainly. The target's verify costs
+            carry over to the next call on the same ``target`` object and batch size, so that
+            call's first steps are already priced (acceptance never carries). False: K every step.
         seed: as in `generate`, with one limit: the same seed repeats sampled tokens only with the
             same draft lengths, so use ``adaptive=False`` for runs repeatable token for token
             (adaptive lengths follow this run's timings; every run follows the target's
@@ -542,7 +544,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         print(out.stats.acceptance_rate, out.stats.mean_draft_length)
     """
     _check_speculation_options(num_draft_tokens, adaptive)
-    target = as_protocol_model(target)
+    given, target = target, as_protocol_model(target)
     _check_model(target, "target")
     drafter = _as_drafter(draft, target, cuda_graphs)
     t_start = time.perf_counter()
@@ -553,12 +555,14 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     K, V = max(1, request.drafts), target.vocab_size
     device, B = input_ids.device, input_ids.shape[0]
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device, K), _Outputs(B, request.max_new_tokens, device)
-    stream, lengths = _Stream(streamer, B), DraftLengths(K, request.max_new_tokens, B, adaptive)
+    hidden = getattr(drafter, "needs_target_hidden", False) is True  # the target's features, for the drafter
+    graphs = _use_cuda_graphs(cuda_graphs, (target,), device) and not hidden
+    known = known_costs(given, (B, str(device), graphs)) if adaptive else None  # earlier calls' verify costs
+    stream, lengths = _Stream(streamer, B), DraftLengths(K, request.max_new_tokens, B, adaptive, known)
     rows, host_rows = torch.arange(B, device=device), list(range(B))
     cache = _new_cache(target, "target", B, request.max_len, device)
     check = _LogitsCheck(device, ("target model", "draft model", "drafter"))
-    hidden = getattr(drafter, "needs_target_hidden", False) is True  # the target's features, for the drafter
-    verify = _verifier(target, cache, check, _use_cuda_graphs(cuda_graphs, (target,), device) and not hidden, hidden)
+    verify = _verifier(target, cache, check, graphs, hidden)
     sample_draft = lambda logits: request.sample(check("draft model", V, logits))
 
     with timer("prefill"):

@@ -7,6 +7,8 @@
   the compiled kernels on CUDA tensors against the reference), with the interpreter off.
 - Tests that take a ``backend`` fixture run once per backend.
 - ``torch.empty`` is NaN-poisoned in every test (see `specdec_kernels.testing.poison_empty`).
+- Every test starts without verify costs carried from an earlier call (`known_costs`): a
+  module's shared model does not make one test's adaptive lengths depend on another's.
 """
 
 import os
@@ -19,6 +21,7 @@ assert "triton" not in __import__("sys").modules, "triton was imported before TR
 os.environ["TRITON_INTERPRET"] = "0" if CUDA_TESTS else "1"  # CUDA tests: the compiled kernels, never interpreted
 
 from specdec_kernels import BACKENDS, triton_available  # noqa: E402
+from specdec_kernels._draft_lengths import _KNOWN_COSTS  # noqa: E402
 from specdec_kernels.testing import poison_empty  # noqa: E402
 
 
@@ -49,3 +52,9 @@ def pytest_generate_tests(metafunc):
 def _nan_poisoned_empty():
     with poison_empty():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_carried_costs():
+    _KNOWN_COSTS.clear()
+    yield

@@ -751,3 +751,32 @@ def test_vocabularies_differing_by_more_than_padding_are_refused(draft_vocab):
     ids, _ = ragged_prompts(B=2)
     with pytest.raises(ValueError, match="draft must share the target's vocabulary"):
         speculative_generate(target, tiny_llama(vocab_size=draft_vocab, layers=1), ids, max_new_tokens=4)
+
+
+def test_verify_costs_carry_to_the_next_call_at_the_same_batch_size():
+    """A second call on the same target and batch size starts from the verify costs the first
+    measured: once its first drafting step is timed it drafts in full, where a first call still
+    waits for a second token count to be timed. Its own first step (here 50 times slower: one-
+    time costs) is not timed."""
+    known = {}
+    accept, verify_s = (lambda r, k: k), (lambda n, step: 0.030 + 0.0005 * n)
+    first = [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known), [0], 12, accept, verify_s,
+                                       draft_s=lambda w: 0.0003 * w)]
+    assert first[:3] == [1, 1, 0] and set(known) == {"verify", "verify_at", "overhead"}, first
+    slow_start = lambda n, step: (50 if step == 0 else 1) * verify_s(n, step)
+    policy = DraftLengths(4, 10**6, 1, True, known)
+    second = [k for k, in in_loop_order(policy, [0], 12, accept, slow_start, draft_s=lambda w: 0.0003 * w)]
+    assert second[:3] == [1, 1, 4] and second[-1] == 4, second
+    assert all(seconds / weight < 0.04 for seconds, weight in policy.verify_at.values()), policy.verify_at
+    fresh = [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, {}), [0], 12, accept, verify_s,
+                                       draft_s=lambda w: 0.0003 * w)]
+    assert fresh[:3] == first[:3], fresh
+
+
+def test_speculative_generate_keeps_verify_costs_per_target_and_batch_size(target):
+    ids, mask = ragged_prompts(B=2, seed=1)
+    spec = speculative_generate(target, PromptLookupDraft(), ids, mask, max_new_tokens=40, temperature=0)
+    assert torch.equal(spec.tokens, generate(target, ids, mask, max_new_tokens=40, temperature=0).tokens)
+    assert set(_draft_lengths.known_costs(target, (2, "cpu", False))) == {"verify", "verify_at", "overhead"}
+    assert _draft_lengths.known_costs(target, (1, "cpu", False)) == {}
+    assert _draft_lengths.known_costs(3, (2, "cpu", False)) == {}  # not weakly referenceable: nothing carried
