@@ -274,17 +274,52 @@ def _weights_name(random_weights: str | None) -> str:
     return "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
 
 
-def _interleaved_medians(setup: Setup, methods: dict, batch_size: int, max_new_tokens: int, repeats: int) -> dict:
+BASELINE_EVERY = 3  # `_interleaved_medians`: other methods between two runs of the baseline
+
+
+def _interleaved_medians(setup: Setup, methods: dict, batch_size: int, max_new_tokens: int, repeats: int,
+                         baseline: str | None = None, speedups: dict | None = None) -> dict:
     """``methods`` maps a name to ``(fn, *args)``, run as ``fn(setup, batch_size, tokens, *args)``:
     each once untimed (4 tokens: one-time costs out of the way), then ``repeats`` rounds of every
-    method in turn (a slow spell of the machine falls on all alike); the median run of each,
-    ``{name: (seconds, output)}``."""
+    method in turn, in reverse order every other round (a slow spell of the machine falls on all
+    alike, and a drift on none more than another); the median run of each,
+    ``{name: (seconds, output)}``.
+
+    With a ``baseline`` (one of the names), it also runs after every `BASELINE_EVERY` other
+    methods and at each round's end, and ``speedups`` is filled with each other method's median
+    over rounds of its speedup over the baseline's time at its place in the round (interpolated
+    between the baseline runs around it): this machine's slow spells last from seconds to minutes,
+    so a ratio of two runs made close together moves less than one of medians taken minutes
+    apart."""
     for fn, *args in methods.values():
         fn(setup, batch_size, 4, *args)
     runs = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, (fn, *args) in methods.items():
-            runs[name].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
+    ratios = {name: [] for name in methods if name != baseline}
+    others = [name for name in methods if name != baseline]
+    for round_ in range(repeats):
+        names = others if round_ % 2 == 0 else others[::-1]
+        if baseline is None:
+            names = list(methods) if round_ % 2 == 0 else list(methods)[::-1]
+            for name in names:
+                fn, *args = methods[name]
+                runs[name].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
+            continue
+        base_at, timed = [], []  # (place, seconds) of the baseline runs; (place, name, seconds) of the others
+        fn, *args = methods[baseline]
+        for place, name in enumerate(names):
+            if place % BASELINE_EVERY == 0:
+                runs[baseline].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
+                base_at.append((place - 0.5, runs[baseline][-1][0]))
+            other, *other_args = methods[name]
+            runs[name].append(_timed(setup, other, batch_size, max_new_tokens, *other_args))
+            timed.append((place, name, runs[name][-1][0]))
+        runs[baseline].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
+        base_at.append((len(names) - 0.5, runs[baseline][-1][0]))
+        for place, name, seconds in timed:
+            (p0, s0), (p1, s1) = next((a, b) for a, b in zip(base_at, base_at[1:], strict=False) if b[0] > place)
+            ratios[name].append((s0 + (s1 - s0) * (place - p0) / (p1 - p0)) / seconds)
+    if speedups is not None:
+        speedups.update({name: sorted(r)[len(r) // 2] for name, r in ratios.items()})
     return {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}
 
 
@@ -301,11 +336,12 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
                       random_weights: str | None = None) -> str:
     """Fixed vs adaptive draft lengths against our plain generate, per draft, batch size and K,
     and the oracle drafter (every draft accepted) at K = 4, all interleaved in one run (batch 1
-    answers every prompt in turn, `run_each_prompt`); returns a markdown table of medians plus
-    the machine line.
+    answers every prompt in turn, `run_each_prompt`); returns a markdown table plus the machine
+    line.
 
-    Columns: speedups over plain generate (same run); the share of the fixed K's gain (speedup - 1)
-    that adaptive keeps where the fixed K gains; the fixed run's acceptance, Leviathan-predicted
+    Columns: speedups over plain generate (`_interleaved_medians` with plain as the baseline:
+    medians of ratios to the plain runs made around each run); the share of the fixed K's gain
+    (speedup - 1) that adaptive keeps where the fixed K gains; the fixed run's acceptance, Leviathan-predicted
     speedup and efficiency (measured decoding-phase speedup / predicted, as in `table`); the mean
     draft length adaptive chose. Oracle: tokens per target forward, speedup, and the prediction
     with a = 1, ``(K + 1) / (K c + v)``.
@@ -324,22 +360,23 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
                 methods[draft, k, "fixed"] = (run_each_prompt, draft, k, False)
                 methods[draft, k, "adaptive"] = (run_each_prompt, draft, k, True)
         methods["oracle"] = (run_each_prompt, oracle, 4, False)
-        median = _interleaved_medians(setup, methods, B, max_new_tokens, repeats)
-        plain_s, plain = median["plain"]
+        speedup = {}
+        median = _interleaved_medians(setup, methods, B, max_new_tokens, repeats, "plain", speedup)
+        plain = median["plain"][1]
         for draft in ("prompt_lookup", "layers"):
-            best_fixed = max(plain_s / median[draft, k, "fixed"][0] for k in ks)
+            best_fixed = max(speedup[draft, k, "fixed"] for k in ks)
             for k in ks:
-                (fixed_s, fixed), (adaptive_s, adaptive) = median[draft, k, "fixed"], median[draft, k, "adaptive"]
-                fx, ax = plain_s / fixed_s, plain_s / adaptive_s
+                fixed, adaptive = median[draft, k, "fixed"][1], median[draft, k, "adaptive"][1]
+                fx, ax = speedup[draft, k, "fixed"], speedup[draft, k, "adaptive"]
                 keeps = f"{(ax - 1) / (fx - 1):.0%}" if fx > 1 else "-"
                 keeps_best = f"{(ax - 1) / (best_fixed - 1):.0%}" if best_fixed > 1 else "-"
                 predicted, efficiency = leviathan(fixed.stats, k, plain.stats)
                 lines.append(f"| {B} | {draft} | {k} | {fx:.2f}x | {ax:.2f}x | {keeps} | {keeps_best} | "
                              f"{fixed.stats.acceptance_rate:.1%} | {predicted:.2f}x | {efficiency:.2f} | "
                              f"{adaptive.stats.mean_draft_length:.2f} |")
-        oracle_s, oracle = median["oracle"]
+        oracle = median["oracle"][1]
         predicted, efficiency = leviathan(oracle.stats, 4, plain.stats)
-        lines.append(f"| {B} | oracle | 4 | {plain_s / oracle_s:.2f}x | | | | {oracle.stats.acceptance_rate:.0%} | "
+        lines.append(f"| {B} | oracle | 4 | {speedup['oracle']:.2f}x | | | | {oracle.stats.acceptance_rate:.0%} | "
                      f"{predicted:.2f}x (a = 1) | {efficiency:.2f} | "
                      f"{oracle.stats.tokens_per_target_forward:.2f} tokens per target forward |")
     header = ("| batch | draft | K | fixed K vs plain | adaptive vs plain | adaptive keeps of fixed K's gain | "
@@ -347,9 +384,9 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
               "adaptive mean draft length |\n|---|---|---|---|---|---|---|---|---|---|---|")
     weights = _weights_name(random_weights)
     return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} "
-            f"new tokens per row (batch 1: each of the {len(PROMPTS)} prompts in turn), median of {repeats} "
-            f"interleaved runs, layer draft: the first {DRAFT_LAYERS} "
-            f"of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+            f"new tokens per row (batch 1: each of the {len(PROMPTS)} prompts in turn), speedups: median over "
+            f"{repeats} interleaved rounds of the ratio to plain runs made around each run, layer draft: "
+            f"the first {DRAFT_LAYERS} of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
 def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), branches=(2, 4),

@@ -158,3 +158,26 @@ def test_tolerance_table_covers_every_dtype_and_fails_on_nan():
         assert_close(x, x + 1e-3)
     with pytest.raises(AssertionError):
         assert_close(torch.full((2,), float("nan")), torch.full((2,), float("nan")))
+
+
+def test_interleaved_speedups_follow_a_drifting_machine(monkeypatch):
+    """The generation benchmark's speedups against a baseline run around each method stay true
+    while the machine slows down (here each second of clock adds 2% to every run's time); a ratio
+    of medians does not (the medians of two methods come from runs far apart)."""
+    from types import SimpleNamespace
+
+    import benchmarks.generation as bench
+
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def run(setup, batch_size, tokens, cost):
+        clock[0] += cost * tokens * (1 + 0.02 * clock[0])
+
+    setup = SimpleNamespace(model=SimpleNamespace(output=SimpleNamespace(weight=torch.zeros(1))))
+    methods = {"plain": (run, 1.0), **{f"half {i}": (run, 0.5) for i in range(8)}, "quarter": (run, 0.25)}
+    speedups = {}
+    median = bench._interleaved_medians(setup, methods, 1, 1, 3, "plain", speedups)
+    assert all(abs(speedups[f"half {i}"] / 2 - 1) < 0.03 for i in range(8)), speedups
+    assert abs(speedups["quarter"] / 4 - 1) < 0.03, speedups
+    assert abs(median["plain"][0] / median["quarter"][0] / 4 - 1) > 0.05  # what the ratio of medians gives
