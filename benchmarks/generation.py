@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import statistics
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -285,25 +286,26 @@ def _interleaved_medians(setup: Setup, methods: dict, batch_size: int, max_new_t
     alike, and a drift on none more than another); the median run of each,
     ``{name: (seconds, output)}``.
 
-    With a ``baseline`` (one of the names), it also runs after every `BASELINE_EVERY` other
-    methods and at each round's end, and ``speedups`` is filled with each other method's median
-    over rounds of its speedup over the baseline's time at its place in the round (interpolated
-    between the baseline runs around it): this machine's slow spells last from seconds to minutes,
-    so a ratio of two runs made close together moves less than one of medians taken minutes
-    apart."""
+    With a ``baseline`` (one of the names), it also runs at each round's start, after every
+    `BASELINE_EVERY` other methods and at the round's end, and ``speedups`` is filled with each
+    other method's median over rounds of its speedup over the baseline's time at its place in
+    the round (interpolated between the baseline runs around it): this machine's slow spells
+    last from seconds to minutes, so a ratio of two runs made close together moves less than one
+    of medians taken minutes apart."""
+    if speedups is not None and baseline is None:
+        raise ValueError("speedups are measured against a baseline: name one of the methods")
     for fn, *args in methods.values():
         fn(setup, batch_size, 4, *args)
     runs = {name: [] for name in methods}
     ratios = {name: [] for name in methods if name != baseline}
     others = [name for name in methods if name != baseline]
     for round_ in range(repeats):
-        names = others if round_ % 2 == 0 else others[::-1]
         if baseline is None:
-            names = list(methods) if round_ % 2 == 0 else list(methods)[::-1]
-            for name in names:
+            for name in list(methods) if round_ % 2 == 0 else list(methods)[::-1]:
                 fn, *args = methods[name]
                 runs[name].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
             continue
+        names = others if round_ % 2 == 0 else others[::-1]
         base_at, timed = [], []  # (place, seconds) of the baseline runs; (place, name, seconds) of the others
         fn, *args = methods[baseline]
         for place, name in enumerate(names):
@@ -319,7 +321,7 @@ def _interleaved_medians(setup: Setup, methods: dict, batch_size: int, max_new_t
             (p0, s0), (p1, s1) = next((a, b) for a, b in zip(base_at, base_at[1:], strict=False) if b[0] > place)
             ratios[name].append((s0 + (s1 - s0) * (place - p0) / (p1 - p0)) / seconds)
     if speedups is not None:
-        speedups.update({name: sorted(r)[len(r) // 2] for name, r in ratios.items()})
+        speedups.update({name: statistics.median(r) for name, r in ratios.items()})
     return {name: sorted(r, key=lambda x: x[0])[len(r) // 2] for name, r in runs.items()}
 
 

@@ -27,11 +27,13 @@ Before costs are measured, steps draft one token per row until a drafting step h
 timed, then decode plainly until a second token count has been timed. The first step's verify and
 step times stand in until the second's replace them (it may pay one-time costs; a step that ran a
 CUDA-graph shape eagerly or recorded it is not timed at all). The verify costs (the line, the
-seconds per token count, the loop's overhead) belong to the target, not to the text or the
-drafter: a call starts from those an earlier call measured on the same target object at the
-same batch size (`known_costs`), so only the drafting needs a timed step before the policy
-chooses; its own first step is then not timed, and its steps soon outweigh the carried ones
-(`COST_DECAY`). Acceptance is never carried: it belongs to the text. A drafter that has proposed
+seconds per token count, the loop's overhead) belong to the target and the way it runs, not to
+the text: a call starts from those an earlier call run alike measured on the same target object
+(`known_costs`), so only the drafting needs a timed step before the policy chooses; its own
+first step is then not timed, and the carried costs fade under its own (`COST_DECAY`; a token
+count's mean as that count is measured again). A step far slower than predicted is dropped as
+an outlier, but not a third in a row: a lasting change (or carried costs gone stale) is
+learned. Acceptance is never carried: it belongs to the text. A drafter that has proposed
 nothing in the first steps leaves no drafting to price: the policy then starts without, and
 its shares f keep asking rare.
 
@@ -125,7 +127,9 @@ class DraftLengths:
     step the loop calls `plan` (how many tokens to ask the drafter for), then, at its transfer,
     `observe` (the last verification's outcome, the phase times, the tokens committed and the
     proposal, where `scores` it), `choose` (each row's length, given what it was offered) and
-    `verifying` (what it verifies). The arithmetic is plain Python on a few numbers per row:
+    `verifying` (what it verifies). ``known``: the verify costs of earlier calls run alike
+    (`known_costs`), read at the start and kept current; None or empty: measured from scratch.
+    The arithmetic is plain Python on a few numbers per row:
     host work, no tensor to synchronize. ``counts[row][k]`` counts the verified steps the row
     was given length k.
     """
@@ -172,6 +176,7 @@ class DraftLengths:
         self.draft_seconds = self.draft_tokens = 0.0  # forgotten sums: D(w) = d w
         self.overhead = None  # seconds per step outside verification and drafting
         self.steps_seen = 0  # steps timed
+        self.dropped = 0  # timed steps dropped in a row as outliers
         self.timed_drafts = False  # whether a verification with drafts was timed
         # Verify costs measured by earlier calls (`known_costs`), kept current in ``known``.
         self.known, self.carried = known, bool(adaptive and known)
@@ -454,23 +459,28 @@ class DraftLengths:
         if not timed:
             return
         self.steps_seen += 1
-        if self._ready() and step_s > 3 * self._predicted(verify_tokens, draft_tokens):
+        # (Not a third such step in a row: a lasting change, or carried costs gone stale, is
+        # learned, not dropped.)
+        if self._ready() and step_s > 3 * self._predicted(verify_tokens, draft_tokens) and self.dropped < 2:
+            self.dropped += 1
             return
+        self.dropped = 0
         if draft_tokens:
             self.draft_seconds = COST_DECAY * self.draft_seconds + draft_s
             self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
             self.proposal_seconds = COST_DECAY * self.proposal_seconds + draft_s
             self.proposals = COST_DECAY * self.proposals + 1
+        self.timed_drafts |= verify_tokens > len(rows)
+        if self.carried and self.steps_seen == 1:  # the carried costs stand in for the first step's
+            return
         if self.steps_seen == 2 and not self.carried:  # the first step's times stood in until now (module docstring)
             self.verify, self.verify_at, self.overhead = _DecayedLine(), {}, None
-            self.step_seconds, self.steps, self.timed_drafts = 0.0, 0.0, False
+            self.step_seconds, self.steps = 0.0, 0.0
+            self.timed_drafts = verify_tokens > len(rows)
         self.step_seconds = COST_DECAY * self.step_seconds + step_s
         self.steps = COST_DECAY * self.steps + 1
         self.shadowing = (self.deterministic and self.proposals > 0
                           and self.proposal_seconds / self.proposals <= SHADOW_SHARE * self.step_seconds / self.steps)
-        self.timed_drafts |= verify_tokens > len(rows)
-        if self.carried and self.steps_seen == 1:  # the carried costs stand in for the first step's
-            return
         self.verify.add(verify_tokens, verify_s)
         seconds, weight = self.verify_at.get(verify_tokens, (0.0, 0.0))
         self.verify_at[verify_tokens] = (COST_DECAY * seconds + verify_s, COST_DECAY * weight + 1)

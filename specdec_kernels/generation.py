@@ -520,13 +520,14 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
         num_draft_tokens: K >= 1, the most tokens a row drafts per step (at most
             ``max_new_tokens - 1`` are: drafts past the budget could never be kept).
         adaptive: choose each row's draft length (0 .. K) every step from the acceptance and the
-            draft and verify costs measured in this run (`specdec_kernels._draft_lengths`); a step
-            where no draft pays for its verification decodes plainly. The target's verify costs
-            carry over to the next call on the same ``target`` object and batch size, so that
-            call's first steps are already priced (acceptance never carries). False: K every step.
+            draft and verify costs measured while generating (`specdec_kernels._draft_lengths`); a step
+            where no draft pays for its verification decodes plainly. The verify costs carry
+            over to the next call on the same ``target`` object run alike (batch size, device,
+            CUDA graphs, greedy or sampled, the drafter's class), so that call's first steps are
+            already priced; acceptance never carries over. False: K every step, nothing carried.
         seed: as in `generate`, with one limit: the same seed repeats sampled tokens only with the
             same draft lengths, so use ``adaptive=False`` for runs repeatable token for token
-            (adaptive lengths follow this run's timings; every run follows the target's
+            (adaptive lengths follow the timings of this run and of earlier ones; every run follows the target's
             distribution exactly, and greedy tokens never depend on the lengths).
         other arguments: as in `generate`; the cache capacity also needs room for one step's K
             drafts (default and least: longest prompt + max_new_tokens - 1 + K). With CUDA
@@ -557,7 +558,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device, K), _Outputs(B, request.max_new_tokens, device)
     hidden = getattr(drafter, "needs_target_hidden", False) is True  # the target's features, for the drafter
     graphs = _use_cuda_graphs(cuda_graphs, (target,), device) and not hidden
-    known = known_costs(given, (B, str(device), graphs)) if adaptive else None  # earlier calls' verify costs
+    # Earlier calls' verify costs, for calls run alike: the sampler's work and the drafter's
+    # proposals (trees, draft logits, scoring) are in them too.
+    way = (B, str(device), graphs, temperature == 0, type(drafter).__qualname__)
+    known = known_costs(given, way) if adaptive else None
     stream, lengths = _Stream(streamer, B), DraftLengths(K, request.max_new_tokens, B, adaptive, known)
     rows, host_rows = torch.arange(B, device=device), list(range(B))
     cache = _new_cache(target, "target", B, request.max_len, device)

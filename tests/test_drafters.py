@@ -1,6 +1,8 @@
 """The Drafter protocol: user drafters, proposals checked, per-row draft lengths, adaptive
 speculation, streaming."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -518,7 +520,8 @@ class GreedyTarget:
 def test_sampling_with_lengths_chosen_after_the_offer_keeps_the_target_distribution(target, monkeypatch):
     """Chi-square of generated tokens 6 to 9 over many seeds: a cheap deterministic drafter,
     asked every step, its rows' lengths chosen after its proposal is seen (once the costs are
-    measured, by token 5 here), samples what plain generation samples."""
+    measured: by token 5 in the first call, sooner in the later ones, which start from the verify
+    costs of those before), samples what plain generation samples."""
     from scipy.stats import chi2_contingency
 
     monkeypatch.setattr(_draft_lengths, "SHADOW_SHARE", float("inf"))
@@ -768,15 +771,39 @@ def test_verify_costs_carry_to_the_next_call_at_the_same_batch_size():
     second = [k for k, in in_loop_order(policy, [0], 12, accept, slow_start, draft_s=lambda w: 0.0003 * w)]
     assert second[:3] == [1, 1, 4] and second[-1] == 4, second
     assert all(seconds / weight < 0.04 for seconds, weight in policy.verify_at.values()), policy.verify_at
-    fresh = [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, {}), [0], 12, accept, verify_s,
-                                       draft_s=lambda w: 0.0003 * w)]
-    assert fresh[:3] == first[:3], fresh
 
 
-def test_speculative_generate_keeps_verify_costs_per_target_and_batch_size(target):
+def test_carried_costs_give_way_to_a_lasting_change(monkeypatch):
+    """A target now five times slower than when its costs were carried (a longer context,
+    another load): its steps are not dropped as outliers of the stale costs, and the costs kept
+    for the next call follow."""
+    clock = [0.0]
+    monkeypatch.setattr(_draft_lengths, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def timed(factor):
+        def verify_s(n, step):
+            clock[0] += factor * (0.030 + 0.0005 * n)
+            return factor * (0.030 + 0.0005 * n)
+        return verify_s
+
+    known = {}
+    in_loop_order(DraftLengths(4, 10**6, 1, True, known), [0], 12, lambda r, k: k, timed(1), lambda w: 0.0)
+    in_loop_order(DraftLengths(4, 10**6, 1, True, known), [0], 30, lambda r, k: k, timed(5), lambda w: 0.0)
+    seconds, weight = known["verify_at"][5]  # the last drafts: 4 per step
+    assert seconds / weight > 0.1, known["verify_at"]
+
+
+def test_speculative_generate_keeps_verify_costs_per_target_and_way_of_running(target):
+    """Costs are kept per target and batch size, device, CUDA graphs, greedy or sampled and
+    drafter class; a second call starts from them and still gives greedy `generate`'s tokens."""
     ids, mask = ragged_prompts(B=2, seed=1)
-    spec = speculative_generate(target, PromptLookupDraft(), ids, mask, max_new_tokens=40, temperature=0)
-    assert torch.equal(spec.tokens, generate(target, ids, mask, max_new_tokens=40, temperature=0).tokens)
-    assert set(_draft_lengths.known_costs(target, (2, "cpu", False))) == {"verify", "verify_at", "overhead"}
-    assert _draft_lengths.known_costs(target, (1, "cpu", False)) == {}
-    assert _draft_lengths.known_costs(3, (2, "cpu", False)) == {}  # not weakly referenceable: nothing carried
+    plain = generate(target, ids, mask, max_new_tokens=40, temperature=0)
+    for _ in range(2):
+        truth = generate(target, ids, mask, max_new_tokens=44, temperature=0).tokens
+        spec = speculative_generate(target, Oracle(truth), ids, mask, max_new_tokens=40, temperature=0)
+        assert torch.equal(spec.tokens, plain.tokens)
+        known = _draft_lengths.known_costs(target, (2, "cpu", False, True, "OracleDraft"))
+        assert set(known) == {"verify", "verify_at", "overhead"}
+    assert _draft_lengths.known_costs(target, (1, "cpu", False, True, "OracleDraft")) == {}
+    assert _draft_lengths.known_costs(target, (2, "cpu", False, False, "OracleDraft")) == {}
+    assert _draft_lengths.known_costs(3, (2, "cpu", False, True, "OracleDraft")) == {}  # no weak reference: not kept

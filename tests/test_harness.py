@@ -169,7 +169,7 @@ def test_interleaved_speedups_follow_a_drifting_machine(monkeypatch):
     import benchmarks.generation as bench
 
     clock = [0.0]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def run(setup, batch_size, tokens, cost):
         clock[0] += cost * tokens * (1 + 0.02 * clock[0])
