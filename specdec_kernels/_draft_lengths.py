@@ -77,15 +77,15 @@ SHADOW_SHARE = 0.02
 LINE_WEIGHT = 2.0  # samples' worth of the fitted line in each token count's mean verify time
 
 
-# Verify costs per target object, then per batch size and way of running (device, CUDA graphs).
+# Verify costs per target object, then per way of running (`known_costs`: the loop's key).
 _KNOWN_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def known_costs(target, key: tuple) -> dict:
     """The verify costs adaptive speculation measured on ``target`` (at ``key``: batch size and
-    way of running) in earlier calls of this process, as a dict that `DraftLengths` reads at its
-    start and keeps current (empty before any, or where ``target`` cannot be weakly referenced:
-    nothing is then carried). Dropped with the target."""
+    way of running, as `speculative_generate` builds it) in earlier calls of this process, as a
+    dict that `DraftLengths` reads at its start and keeps current (empty before any, or where
+    ``target`` cannot be weakly referenced: nothing is then carried). Dropped with the target."""
     try:
         return _KNOWN_COSTS.setdefault(target, {}).setdefault(key, {})
     except TypeError:
