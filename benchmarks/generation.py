@@ -297,26 +297,24 @@ def _interleaved_medians(setup: Setup, methods: dict, batch_size: int, max_new_t
     for fn, *args in methods.values():
         fn(setup, batch_size, 4, *args)
     runs = {name: [] for name in methods}
-    ratios = {name: [] for name in methods if name != baseline}
     others = [name for name in methods if name != baseline]
+    ratios = {name: [] for name in others}
+
+    def run(name) -> float:
+        fn, *args = methods[name]
+        runs[name].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
+        return runs[name][-1][0]
+
     for round_ in range(repeats):
-        if baseline is None:
-            for name in list(methods) if round_ % 2 == 0 else list(methods)[::-1]:
-                fn, *args = methods[name]
-                runs[name].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
-            continue
         names = others if round_ % 2 == 0 else others[::-1]
         base_at, timed = [], []  # (place, seconds) of the baseline runs; (place, name, seconds) of the others
-        fn, *args = methods[baseline]
         for place, name in enumerate(names):
-            if place % BASELINE_EVERY == 0:
-                runs[baseline].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
-                base_at.append((place - 0.5, runs[baseline][-1][0]))
-            other, *other_args = methods[name]
-            runs[name].append(_timed(setup, other, batch_size, max_new_tokens, *other_args))
-            timed.append((place, name, runs[name][-1][0]))
-        runs[baseline].append(_timed(setup, fn, batch_size, max_new_tokens, *args))
-        base_at.append((len(names) - 0.5, runs[baseline][-1][0]))
+            if baseline is not None and place % BASELINE_EVERY == 0:
+                base_at.append((place - 0.5, run(baseline)))
+            timed.append((place, name, run(name)))
+        if baseline is None:
+            continue
+        base_at.append((len(names) - 0.5, run(baseline)))
         for place, name, seconds in timed:
             (p0, s0), (p1, s1) = next((a, b) for a, b in zip(base_at, base_at[1:], strict=False) if b[0] > place)
             ratios[name].append((s0 + (s1 - s0) * (place - p0) / (p1 - p0)) / seconds)
