@@ -294,6 +294,8 @@ def _interleaved_medians(setup: Setup, methods: dict, batch_size: int, max_new_t
     of medians taken minutes apart."""
     if speedups is not None and baseline is None:
         raise ValueError("speedups are measured against a baseline: name one of the methods")
+    if baseline is not None and baseline not in methods:
+        raise ValueError(f"baseline {baseline!r} is not one of the methods {list(methods)}")
     for fn, *args in methods.values():
         fn(setup, batch_size, 4, *args)
     runs = {name: [] for name in methods}
