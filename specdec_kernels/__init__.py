@@ -15,7 +15,7 @@ from ._checks import DeviceCheckError
 from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import KVCache
 from .draft_heads import ExitHead, ExitHeadDraft, FeatureHead, FeatureHeadDraft
-from .drafts import Drafter, DraftProposal, EarlyExitDraft, ModelDraft, PromptLookupDraft
+from .drafts import Drafter, DraftProposal, EarlyExitDraft, LookupFirstDraft, ModelDraft, PromptLookupDraft
 from .generation import GenerationOutput, GenerationStats, generate, speculative_generate
 from .jacobi import jacobi_generate
 from .lookahead import lookahead_generate
@@ -50,6 +50,7 @@ __all__ = [
     "GenerationStats",
     "Llama",
     "LlamaConfig",
+    "LookupFirstDraft",
     "MatmulPlan",
     "ModelDraft",
     "PromptLookupDraft",

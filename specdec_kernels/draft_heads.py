@@ -293,6 +293,12 @@ class FeatureHeadDraft:
         self.features = _append_ragged(self.features, self.pending, hidden_states.to(self.features.dtype), num_tokens)
         self.pending = self.pending + num_tokens
         self.longest = _tighter(self.longest + token_ids.shape[1], committed_bound)
+        if self.ids.device.type == "cpu":
+            # Each commit widens the buffers by its padded width. Until the next proposal reads
+            # them (steps without one: plain steps, `LookupFirstDraft`'s lookup steps) only the
+            # longest row's pending pairs need keeping, and on the CPU reading that is free.
+            width = int(self.pending.max())
+            self.ids, self.features = self.ids[:, :width], self.features[:, :width]
 
     def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
         # The cache reads the pending pairs (one per committed token but the first) in one forward;

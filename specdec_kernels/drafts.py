@@ -2,13 +2,14 @@
 
 `speculative_generate` asks a `Drafter` for tokens and knows nothing else about it. A drafter
 follows the committed text of each row (`Drafter.commit`), proposes continuations
-(`Drafter.propose`) and forgets finished rows (`Drafter.select`). Three drafters ship:
+(`Drafter.propose`) and forgets finished rows (`Drafter.select`). These drafters ship:
 
 - `ModelDraft` wraps any model that follows the model protocol and shares the target's
   vocabulary, in a KV cache of its own;
 - `EarlyExitDraft` drafts with the target's own first layers, its final norm and head
   (layer-skip self-speculation) in the target's KV cache: nothing is prefilled or read twice;
-- `PromptLookupDraft` proposes what followed the last n-gram earlier in the text (no model).
+- `PromptLookupDraft` proposes what followed the last n-gram earlier in the text (no model);
+- `LookupFirstDraft` tries prompt lookup first and asks a draft for the rows it cannot serve.
 
 A drafter of your own (the proposals of the next token's most common successor, say) needs
 only the four methods::
@@ -462,6 +463,102 @@ class PromptLookupDraft:
         ids = torch.where(real_node, cont.view(B, -1).gather(1, nodes), 0)
         parents = torch.where(real_node, parent.gather(1, nodes), -1)
         return ids, num, None, parents
+
+
+class LookupFirstDraft:
+    """A `Drafter` that tries prompt lookup first: rows whose last n-gram occurred earlier in
+    their text propose what followed it, the other rows take ``draft``'s proposal. Lookup costs
+    next to nothing; a model draft or head costs a share of a target step per token. Where the
+    text repeats itself (summaries, rewrites, code edits) the lookup's guesses are right more
+    often than a small draft's and cost nothing; elsewhere the draft carries on.
+
+    On the CPU a step where every row found a match does not run ``draft`` at all (reading that
+    costs no device synchronization there). On other devices ``draft`` proposes every step and
+    the rows are merged on the device, as the decision would synchronize the loop.
+
+    Lossless like its parts: lookup tokens are deterministic proposals. When ``draft`` gives
+    draft logits, the rows that took the lookup's tokens get logits that are one-hot on them
+    (the point-mass rule). When either side proposes trees, the other side's chains are given
+    as trees of one branch.
+
+    Args:
+        draft: the drafter for rows without a match (`FeatureHeadDraft`, `ModelDraft`, ...).
+            Its needs (``needs_target_hidden`` and the like) are passed on to the loop. It sees
+            every commit, whether it proposed that step or not.
+        lookup: the `PromptLookupDraft` tried first. Default: ``PromptLookupDraft(min_ngram=2)``.
+            A single recurring token is a weak guess, which a trained draft usually beats.
+        draft_tokens: ask ``draft`` for at most this many tokens (None: as many as the loop
+            asks). Lookup tokens cost nothing to propose, so the loop's ``num_draft_tokens`` can
+            be set above the length that pays for ``draft``.
+
+    Example::
+
+        draft = LookupFirstDraft(load_smollm2_draft(target), draft_tokens=4)
+        out = speculative_generate(target, draft, input_ids, num_draft_tokens=7, max_new_tokens=64)
+    """
+
+    def __init__(self, draft: Drafter, lookup: PromptLookupDraft | None = None, *,
+                 draft_tokens: int | None = None) -> None:
+        if not isinstance(draft, Drafter):
+            raise TypeError(f"draft must be a Drafter (prefill, propose, commit, select), got {type(draft).__name__}")
+        if lookup is None:
+            lookup = PromptLookupDraft(min_ngram=2)
+        if not isinstance(lookup, PromptLookupDraft):
+            raise TypeError(f"lookup must be a PromptLookupDraft, got {type(lookup).__name__}")
+        if draft_tokens is not None and (not is_int(draft_tokens) or draft_tokens < 1):
+            raise ValueError(f"draft_tokens must be None or an int >= 1, got {draft_tokens!r}")
+        self.draft, self.lookup, self.draft_tokens = draft, lookup, draft_tokens
+        for need in ("needs_target_hidden", "needs_target_cache", "needs_committed_bound"):
+            setattr(self, need, getattr(draft, need, False) is True)
+
+    def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int, **shared) -> None:
+        self.lookup.prefill(input_ids, q_seqlens, max_len)
+        self.draft.prefill(input_ids, q_seqlens, max_len, **shared)
+
+    def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
+        found = self.lookup.propose(num_tokens, sample)
+        matched = found.num_tokens > 0
+        if matched.device.type == "cpu" and bool(matched.all()):
+            return found
+        asked = num_tokens if self.draft_tokens is None else min(num_tokens, self.draft_tokens)
+        return _merged(matched, found, self.draft.propose(asked, sample))
+
+    def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor, **extras) -> None:
+        self.lookup.commit(token_ids, num_tokens)
+        self.draft.commit(token_ids, num_tokens, **extras)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.lookup.select(rows)
+        self.draft.select(rows)
+
+
+def _merged(matched: torch.Tensor, found: DraftProposal, drafted: DraftProposal) -> DraftProposal:
+    """Row b of ``found`` where ``matched[b]``, else of ``drafted``, at the wider of their widths
+    (`LookupFirstDraft`): one-hot logits for ``found``'s rows when ``drafted`` has logits, chains
+    as one-branch trees when either has parents."""
+    B, K = found.token_ids.shape[0], max(found.token_ids.shape[1], drafted.token_ids.shape[1])
+    device, take = matched.device, matched[:, None]
+
+    def widened(t: torch.Tensor, fill: float) -> torch.Tensor:
+        pad = K - t.shape[1]
+        return t if pad == 0 else torch.cat([t, t.new_full((B, pad, *t.shape[2:]), fill)], 1)
+
+    ids = torch.where(take, widened(found.token_ids, 0), widened(drafted.token_ids, 0))
+    drafted_num = drafted.num_tokens
+    if drafted_num is None:
+        drafted_num = torch.full((B,), drafted.token_ids.shape[1], dtype=torch.int64, device=device)
+    num = torch.where(matched, found.num_tokens, drafted_num)
+    parents = None
+    if found.parents is not None or drafted.parents is not None:
+        chain = torch.arange(-1, K - 1, device=device).expand(B, K)
+        parents = torch.where(take, chain if found.parents is None else widened(found.parents, -1),
+                              chain if drafted.parents is None else widened(drafted.parents, -1))
+    logits = drafted.logits
+    if logits is not None:
+        logits = widened(logits, 0.0)
+        one_hot = torch.full_like(logits, float("-inf")).scatter_(2, ids[..., None], 0.0)
+        logits = torch.where(take[..., None], one_hot, logits)
+    return DraftProposal(ids, num, logits, parents)
 
 
 def _occurrences(context: torch.Tensor, context_lengths: torch.Tensor, n: int) -> torch.Tensor:

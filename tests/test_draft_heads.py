@@ -5,7 +5,15 @@ import functools
 import pytest
 import torch
 
-from specdec_kernels import ExitHead, ExitHeadDraft, FeatureHead, FeatureHeadDraft, generate, speculative_generate
+from specdec_kernels import (
+    ExitHead,
+    ExitHeadDraft,
+    FeatureHead,
+    FeatureHeadDraft,
+    LookupFirstDraft,
+    generate,
+    speculative_generate,
+)
 from specdec_kernels.draft_data import Shard, _features
 from specdec_kernels.draft_training import (
     TrainSettings,
@@ -65,6 +73,27 @@ def test_greedy_tree_speculation_with_a_head_equals_generate(target, branches, d
         if len(differ):
             assert greedy_divergence_allowed(target, input_ids, mask, plain.tokens, row, int(differ[0]))
     assert (spec.stats.num_generated == plain.stats.num_generated).all()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("branches, K", [(1, 4), (3, 7)])
+def test_greedy_speculation_with_lookup_first_and_a_head_equals_generate(target, branches, K, adaptive):
+    """The head skips the steps the lookup serves (commits without proposals, many in a row
+    where rows repeat themselves) and still drafts from the right features afterwards."""
+    input_ids, mask = ragged_prompts(B=4, P=12, seed=5)
+    input_ids[:2, -6:] = input_ids[:2, -12:-6].clone()
+    mask[:2] = 1
+    plain = generate(target, input_ids, mask, max_new_tokens=40, temperature=0)
+    head = FeatureHeadDraft(target, random_head(target, 60, seed=1, scale=3.0), branches=branches, depth=3)
+    for rows in (slice(None), slice(0, 1)):  # at batch 1 the lookup serves whole steps alone
+        spec = speculative_generate(target, LookupFirstDraft(head, draft_tokens=3), input_ids[rows], mask[rows],
+                                    num_draft_tokens=K, max_new_tokens=40, temperature=0, adaptive=adaptive)
+        for row in range(spec.tokens.shape[0]):
+            differ = (plain.tokens[rows][row] != spec.tokens[row]).nonzero()
+            if len(differ):
+                assert greedy_divergence_allowed(target, input_ids[rows], mask[rows], plain.tokens[rows], row,
+                                                 int(differ[0]))
+        assert (spec.stats.num_generated == plain.stats.num_generated[rows]).all()
 
 
 def _reference_tree(next_log_probs, branches: int, depth: int, num_tokens: int) -> list[tuple[float, tuple]]:
@@ -462,6 +491,30 @@ def test_the_drafters_bookkeeping_follows_ragged_commits_plain_steps_and_select(
         alone = fresh.propose(3, lambda logits: logits.argmax(-1))
         assert torch.equal(proposal.token_ids[i], alone.token_ids[0])
         torch.testing.assert_close(proposal.logits[i], alone.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_commits_padding_never_piles_up_between_proposals(target):
+    """Twelve commits of one real token padded to six, without a proposal (as when
+    `LookupFirstDraft`'s lookup serves every row), then a proposal: it equals a fresh drafter's
+    given the same text, though the padding alone is three times the cache's capacity."""
+    head = random_head(target, 70, seed=6, scale=3.0)
+    P, steps, max_len = 6, 12, 24
+    text = torch.randint(0, V, (1, P + steps), generator=torch.Generator().manual_seed(5))
+    hidden = _sequence_hidden(target, text[0])[None]
+    drafter = FeatureHeadDraft(target, head)
+    drafter.prefill(text[:, :P], torch.tensor([P]), max_len, hidden_states=hidden[:, :P])
+    for n in range(P, P + steps):
+        padded = torch.cat([text[:, n:n + 1], torch.zeros(1, 5, dtype=torch.int64)], 1)
+        drafter.commit(padded, torch.tensor([1]), hidden_states=torch.cat(
+            [hidden[:, n - 1:n], torch.zeros(1, 5, hidden.shape[-1])], 1))
+    proposal = drafter.propose(3, lambda logits: logits.argmax(-1))
+    fresh = FeatureHeadDraft(target, head)
+    n = P + steps
+    fresh.prefill(text[:, :n - 1], torch.tensor([n - 1]), max_len, hidden_states=hidden[:, :n - 1])
+    fresh.commit(text[:, n - 1:n], torch.tensor([1]), hidden_states=hidden[:, n - 2:n - 1])
+    alone = fresh.propose(3, lambda logits: logits.argmax(-1))
+    assert torch.equal(proposal.token_ids, alone.token_ids)
+    torch.testing.assert_close(proposal.logits, alone.logits, rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- early exit with a trained adapter

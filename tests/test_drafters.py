@@ -11,6 +11,7 @@ from specdec_kernels import (
     Drafter,
     DraftProposal,
     EarlyExitDraft,
+    LookupFirstDraft,
     ModelDraft,
     PromptLookupDraft,
     _draft_lengths,
@@ -579,6 +580,105 @@ def test_model_drafts_sample_what_the_loop_samples(target):
     assert proposal.token_ids.shape == (2, 3) and proposal.num_tokens is None
     assert torch.equal(proposal.logits, torch.stack(seen, 1))
     assert torch.equal(proposal.token_ids, proposal.logits.argmax(-1))
+
+
+class FixedWithLogits:
+    """Proposes ``token`` every time, with fixed random draft logits; counts its proposals."""
+
+    def __init__(self, token: int = 7) -> None:
+        self.token, self.calls, self.committed = token, 0, 0
+
+    def prefill(self, input_ids, q_seqlens, max_len):
+        self.B = input_ids.shape[0]
+
+    def propose(self, num_tokens, sample):
+        self.calls += 1
+        logits = torch.randn(self.B, num_tokens, V, generator=torch.Generator().manual_seed(0))
+        return DraftProposal(torch.full((self.B, num_tokens), self.token), None, logits)
+
+    def commit(self, token_ids, num_tokens):
+        self.committed += 1
+
+    def select(self, rows):
+        self.B = len(rows)
+
+
+def test_lookup_first_takes_the_lookup_where_it_matches_and_the_draft_elsewhere():
+    draft = FixedWithLogits()
+    drafter = LookupFirstDraft(draft, draft_tokens=2)
+    # Row 0's last bigram (1, 2) occurred before, followed by 3, 1, 2; row 1's never did.
+    drafter.prefill(torch.tensor([[1, 2, 3, 1, 2], [5, 6, 7, 8, 9]]), torch.tensor([5, 5]), 16)
+    proposal = drafter.propose(3, lambda logits: logits.argmax(-1))
+    assert draft.calls == 1
+    assert proposal.token_ids.tolist() == [[3, 1, 2], [7, 7, 0]] and proposal.num_tokens.tolist() == [3, 2]
+    one_hot = torch.full((3, V), float("-inf")).scatter_(1, torch.tensor([[3], [1], [2]]), 0.0)
+    assert torch.equal(proposal.logits[0], one_hot)
+    assert torch.equal(proposal.logits[1, :2], draft.propose(2, None).logits[1]) and proposal.parents is None
+    # Once every row matches, the draft is not asked (on the CPU), but follows every commit.
+    drafter.commit(torch.tensor([[3, 0], [5, 6]]), torch.tensor([1, 2]))
+    draft.calls = 0
+    proposal = drafter.propose(3, lambda logits: logits.argmax(-1))
+    assert draft.calls == 0 and draft.committed == 1
+    assert proposal.token_ids.tolist() == [[1, 2, 3], [7, 8, 9]] and proposal.logits is None
+
+
+def test_lookup_first_gives_chain_rows_as_one_branch_trees_beside_a_tree():
+    draft = PromptLookupDraft(branches=2)  # proposes trees, here for the row the first lookup misses
+    drafter = LookupFirstDraft(draft, PromptLookupDraft(min_ngram=3))
+    drafter.prefill(torch.tensor([[1, 2, 3, 1, 2, 3], [4, 5, 6, 4, 5, 7]]), torch.tensor([6, 6]), 16)
+    proposal = drafter.propose(3, None)
+    tree = draft.propose(3, None)
+    assert proposal.token_ids[0].tolist() == [1, 2, 3] and proposal.parents[0].tolist() == [-1, 0, 1]
+    assert torch.equal(proposal.token_ids[1], tree.token_ids[1]) and torch.equal(proposal.parents[1], tree.parents[1])
+
+
+@pytest.mark.parametrize("draft", ["model", "early-exit", "hostile", "lookup-tree"])
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("draft_tokens", [None, 2])
+def test_greedy_output_with_lookup_first_equals_generate(target, draft, adaptive, draft_tokens):
+    ids, mask = ragged_prompts(B=5, P=8, seed=4)
+    ids[:3, -4:] = ids[:3, -8:-4].clone()  # some rows repeat themselves, so the lookup matches there
+    mask[:3] = 1
+    plain = generate(target, ids, mask, max_new_tokens=24, temperature=0)
+    inner = {"model": lambda: ModelDraft(tiny_llama(seed=7, scale=3.0, layers=1)),
+             "early-exit": lambda: EarlyExitDraft(target, 1), "hostile": lambda: Hostile(3, True),
+             "lookup-tree": lambda: PromptLookupDraft(branches=2)}[draft]()
+    drafter = LookupFirstDraft(inner, draft_tokens=draft_tokens)
+    spec = speculative_generate(target, drafter, ids, mask, num_draft_tokens=4, max_new_tokens=24, temperature=0,
+                                adaptive=adaptive)
+    assert_greedy_equal(target, ids, mask, plain, spec)
+    assert (spec.stats.num_generated == plain.stats.num_generated).all()
+
+
+def test_sampling_with_lookup_first_is_lossless():
+    """Chi-square of the first three sampled tokens against the target's exact distribution:
+    rows whose first token makes the prompt's bigram (1, 62) recur (about 1 in 10) take the lookup's tokens with
+    one-hot logits, the others a model draft's sampled tokens and logits, in the same steps."""
+    from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
+
+    small = dict(layers=2, hidden=32, heads=4, kv_heads=1, vocab_size=64)
+    target = tiny_llama(seed=1, scale=4.0, **small)
+    prompt = torch.tensor([3, 1, 62, 1])
+    joint, marginal3 = exact_first_tokens_distribution(target, prompt)
+    ids = prompt.expand(6000, -1).contiguous()
+    drafter = LookupFirstDraft(ModelDraft(tiny_llama(seed=2, scale=4.0, **small)))
+    out = speculative_generate(target, drafter, ids, num_draft_tokens=2, max_new_tokens=3, seed=7, adaptive=False,
+                               temperature=1.0)
+    t = out.tokens
+    assert (t[:, 0] == 62).float().mean() > 0.05  # rows that the lookup serves
+    assert chi_square_pvalue(torch.bincount(t[:, 0] * 64 + t[:, 1], minlength=64 * 64).reshape(64, 64), joint) \
+        > P_THRESHOLD
+    assert chi_square_pvalue(torch.bincount(t[:, 2], minlength=64), marginal3) > P_THRESHOLD
+
+
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    ((object(),), {}, TypeError, "draft must be a Drafter"),
+    ((RepeatLastToken(), RepeatLastToken()), {}, TypeError, "lookup must be a PromptLookupDraft"),
+    ((RepeatLastToken(),), dict(draft_tokens=0), ValueError, "draft_tokens must be None or an int >= 1"),
+])
+def test_lookup_first_refuses_bad_arguments(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        LookupFirstDraft(*args, **kwargs)
 
 
 class Recording:
