@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 
 from benchmarks.generation import (
+    LOOKUP_FIRST_K,
     OPEN_PROMPTS,
     PROMPTS,
     held_out_prompts,
@@ -88,17 +89,21 @@ def test_lookahead(benchmark, setup, config, batch_size, prompts):
 
 
 @pytest.mark.parametrize("batch_size", [1, 8], ids=["B1", "B8"])
-@pytest.mark.parametrize("draft", [None, "trained", "prompt_lookup"], ids=["plain", "trained-head", "prompt-lookup"])
+@pytest.mark.parametrize("draft", [None, "trained", "lookup_first", "prompt_lookup"],
+                         ids=["plain", "trained-head", "head-lookup-first", "prompt-lookup"])
 def test_trained_head(benchmark, setup, draft, batch_size):
-    """The shipped draft head (`load_smollm2_draft`, adaptive K <= 4) and prompt lookup beside our
-    plain generate, greedy, on held-out prompts; the table with acceptance, c, v and efficiency
-    comes from ``python -m benchmarks.generation --heads``."""
-    from specdec_kernels import load_smollm2_draft
+    """The shipped draft head (`load_smollm2_draft`, adaptive K <= 4), the head behind prompt
+    lookup (`LookupFirstDraft`, K <= `LOOKUP_FIRST_K`, the head's <= 4) and prompt lookup beside
+    our plain generate, greedy, on held-out prompts; the table with acceptance, c, v and
+    efficiency comes from ``python -m benchmarks.generation --heads``."""
+    from specdec_kernels import LookupFirstDraft, load_smollm2_draft
 
     drafter = {None: lambda: None, "trained": lambda: load_smollm2_draft(setup.model),
+               "lookup_first": lambda: LookupFirstDraft(load_smollm2_draft(setup.model), draft_tokens=4),
                "prompt_lookup": PromptLookupDraft}[draft]()
+    k = LOOKUP_FIRST_K if draft == "lookup_first" else 4
     benchmark.group = f"trained head B={batch_size}"
-    out = benchmark.pedantic(run_head, args=(setup, batch_size, MAX_NEW_TOKENS, drafter, 4, True, held_out_prompts()),
+    out = benchmark.pedantic(run_head, args=(setup, batch_size, MAX_NEW_TOKENS, drafter, k, True, held_out_prompts()),
                              rounds=2, warmup_rounds=1)
     benchmark.extra_info["tokens_per_target_forward"] = out.stats.tokens_per_target_forward
     assert out.stats.num_generated.sum() > 0
