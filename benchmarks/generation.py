@@ -619,12 +619,13 @@ LOOKUP_FIRST_K = 7
 
 
 def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
-                head: str | None = None, exit_head: str | None = None) -> str:
+                head: str | None = None, exit_head: str | None = None, open_prompts: bool = False) -> str:
     """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``), the
     head behind prompt lookup (`LookupFirstDraft`: K = `LOOKUP_FIRST_K`, the head asked for at
     most ``k``), an `ExitHead` file ``exit_head`` if given, and prompt lookup against our plain
-    generate on held-out prompts (`held_out_prompts`; batch 1 answers each in turn, a batch of b
-    rows the first b), greedy at each batch size and sampled (temperature 0.7) at batch 1; fixed K
+    generate on held-out prompts (`held_out_prompts`, or with ``open_prompts`` `OPEN_PROMPTS`,
+    which ask for new text rather than work on a text they quote; batch 1 answers each in turn,
+    a batch of b rows the first b, cycled), greedy at each batch size and sampled (temperature 0.7) at batch 1; fixed K
     and adaptive; every method ``repeats`` times, interleaved, with plain runs around each
     (`_interleaved_medians`). Columns: speedup (median over rounds of the ratio to the plain runs
     around it), acceptance per drafted token, tokens per target forward, the measured c and v,
@@ -648,7 +649,7 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
                 "trained head, lookup first": (LookupFirstDraft(drafter, draft_tokens=k), LOOKUP_FIRST_K)}
     if exit_head is not None:
         drafters["early-exit head"] = (ExitHeadDraft(setup.model, ExitHead.load(exit_head)), k)
-    prompts = held_out_prompts()
+    prompts = OPEN_PROMPTS if open_prompts else held_out_prompts()
     lines = []
     for B, temperature in [*((b, 0.0) for b in batch_sizes), (1, 0.7)]:
         methods = {"plain": (run_head, None, k, False, prompts, temperature)}
@@ -676,7 +677,8 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
               "predicted (fixed K) | efficiency (fixed K) | mean draft length |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|")
     return (f"SmolLM2-135M-Instruct float32 on cpu, {max_new_tokens} new tokens per row, K = {k} unless noted, "
-            f"{len(prompts)} held-out prompts (batch 1: one at a time), speedups: median over {repeats} "
+            f"{len(prompts)} {'open' if open_prompts else 'held-out'} prompts (batch 1: one at a time), "
+            f"speedups: median over {repeats} "
             f"interleaved rounds of the ratio to plain runs made around each run\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
@@ -765,10 +767,12 @@ if __name__ == "__main__":
                         help="--heads: a FeatureHead file instead of the shipped head")
     parser.add_argument("--exit-head", default=None, metavar="PATH",
                         help="--heads: an ExitHead file (train-draft --head early-exit) to compare too")
+    parser.add_argument("--open-prompts", action="store_true",
+                        help="--heads: the open prompts (new text, little to copy) instead of the held-out ones")
     args = parser.parse_args()
     if args.heads:
         print(heads_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
-                          head=args.head, exit_head=args.exit_head))
+                          head=args.head, exit_head=args.exit_head, open_prompts=args.open_prompts))
         raise SystemExit(0)
     if args.lookahead:
         configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else

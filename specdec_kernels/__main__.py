@@ -87,23 +87,27 @@ def _progress(done: int, total: int, label: str) -> None:
 
 
 def parse_draft(kind: str) -> int | None:
-    """``"prompt_lookup"`` or ``"trained"`` -> None; ``"layers:N"`` -> N, the number of the
-    target's layers the draft keeps. Anything else raises ``ValueError``."""
-    if kind in ("prompt_lookup", "trained"):
+    """``"prompt_lookup"``, ``"trained"`` or ``"lookup+trained"`` -> None; ``"layers:N"`` -> N,
+    the number of the target's layers the draft keeps. Anything else raises ``ValueError``."""
+    if kind in ("prompt_lookup", "trained", "lookup+trained"):
         return None
     match = re.fullmatch(r"layers:([1-9][0-9]*)", kind)
     if match is None:
-        raise ValueError(f"must be 'trained', 'prompt_lookup' or 'layers:N' with N >= 1, got {kind!r}")
+        raise ValueError(f"must be 'trained', 'lookup+trained', 'prompt_lookup' or 'layers:N' with N >= 1, "
+                         f"got {kind!r}")
     return int(match.group(1))
 
 
 def make_draft(kind: str, target):
-    """``"trained"`` (the shipped draft head, `load_smollm2_draft`), ``"prompt_lookup"`` or
-    ``"layers:N"`` (the target's first N layers, drafting in its cache) -> a drafter."""
-    from specdec_kernels import EarlyExitDraft, PromptLookupDraft, load_smollm2_draft
+    """``"trained"`` (the shipped draft head, `load_smollm2_draft`), ``"lookup+trained"`` (prompt
+    lookup first, the head for the rows it cannot serve: `LookupFirstDraft`), ``"prompt_lookup"``
+    or ``"layers:N"`` (the target's first N layers, drafting in its cache) -> a drafter."""
+    from specdec_kernels import EarlyExitDraft, LookupFirstDraft, PromptLookupDraft, load_smollm2_draft
 
     if kind == "trained":
         return load_smollm2_draft(target)
+    if kind == "lookup+trained":
+        return LookupFirstDraft(load_smollm2_draft(target))
     layers = parse_draft(kind)
     return PromptLookupDraft() if layers is None else EarlyExitDraft(target, layers)
 
@@ -387,8 +391,8 @@ def _check_demo_args(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
         layers = parse_draft(args.draft)
     except ValueError as e:
         demo.error(f"--draft {e}")
-    if args.draft == "trained" and args.model != "smollm2":
-        demo.error(f"--draft trained: the shipped draft head is {SMOLLM2_NAME}'s (--model smollm2); "
+    if args.draft in ("trained", "lookup+trained") and args.model != "smollm2":
+        demo.error(f"--draft {args.draft}: the shipped draft head is {SMOLLM2_NAME}'s (--model smollm2); "
                    f"{MODELS[args.model]} has none: use --draft prompt_lookup")
     if layers is not None and args.model != "smollm2":
         demo.error(f"--draft {args.draft}: a layer draft needs the built-in model (--model smollm2); "
@@ -457,7 +461,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add("--max-new-tokens", type=int, default=96, metavar="N",
         help="tokens to generate per prompt at most (default: %(default)s)")
     add("--draft", default="prompt_lookup", metavar="KIND",
-        help=f"'trained' (the draft head shipped for SmolLM2), 'prompt_lookup' (n-gram lookup in the context) "
+        help=f"'trained' (the draft head shipped for SmolLM2), 'lookup+trained' (n-gram lookup where the text "
+             f"repeats, the trained head elsewhere), 'prompt_lookup' (n-gram lookup in the context) "
              f"or 'layers:N' (the model's first N of its {SMOLLM2_NUM_LAYERS} layers) (default: %(default)s)")
     add("--method", choices=("speculative", "lookahead", "jacobi"), default="speculative",
         help="what plain decoding is compared with: speculative decoding with --draft, lookahead decoding "

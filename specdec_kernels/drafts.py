@@ -473,7 +473,8 @@ class LookupFirstDraft:
     often than a small draft's and cost nothing; elsewhere the draft carries on.
 
     On the CPU a step where every row found a match does not run ``draft`` at all (reading that
-    costs no device synchronization there). On other devices ``draft`` proposes every step and
+    costs no device synchronization there); its proposal is still shaped as ``draft``'s last one
+    (draft logits, a tree), so that adaptive lengths see one kind of drafter. On other devices ``draft`` proposes every step and
     the rows are merged on the device, as the decision would synchronize the loop.
 
     Lossless like its parts: lookup tokens are deterministic proposals. When ``draft`` gives
@@ -508,6 +509,7 @@ class LookupFirstDraft:
         if draft_tokens is not None and (not is_int(draft_tokens) or draft_tokens < 1):
             raise ValueError(f"draft_tokens must be None or an int >= 1, got {draft_tokens!r}")
         self.draft, self.lookup, self.draft_tokens = draft, lookup, draft_tokens
+        self.kind: DraftProposal | None = None  # the draft's last proposal, emptied: what its proposals are like
         for need in ("needs_target_hidden", "needs_target_cache", "needs_committed_bound"):
             setattr(self, need, getattr(draft, need, False) is True)
 
@@ -519,9 +521,13 @@ class LookupFirstDraft:
         found = self.lookup.propose(num_tokens, sample)
         matched = found.num_tokens > 0
         if matched.device.type == "cpu" and bool(matched.all()):
-            return found
+            # Shaped as the draft's proposals are (draft logits, trees), so that the loop's
+            # draft lengths see one kind of drafter.
+            return found if self.kind is None else _merged(matched, found, _emptied(self.kind, len(matched)))
         asked = num_tokens if self.draft_tokens is None else min(num_tokens, self.draft_tokens)
-        return _merged(matched, found, self.draft.propose(asked, sample))
+        drafted = self.draft.propose(asked, sample)
+        self.kind = _emptied(drafted, 1)
+        return _merged(matched, found, drafted)
 
     def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor, **extras) -> None:
         self.lookup.commit(token_ids, num_tokens)
@@ -530,6 +536,14 @@ class LookupFirstDraft:
     def select(self, rows: torch.Tensor) -> None:
         self.lookup.select(rows)
         self.draft.select(rows)
+
+
+def _emptied(proposal: DraftProposal, rows: int) -> DraftProposal:
+    """A proposal of ``rows`` rows and no tokens, with draft logits and parents where
+    ``proposal`` has them (one zero column each)."""
+    ids = proposal.token_ids.new_zeros(rows, 1)
+    logits = None if proposal.logits is None else proposal.logits.new_zeros(rows, 1, proposal.logits.shape[-1])
+    return DraftProposal(ids, ids[:, 0], logits, None if proposal.parents is None else ids - 1)
 
 
 def _merged(matched: torch.Tensor, found: DraftProposal, drafted: DraftProposal) -> DraftProposal:

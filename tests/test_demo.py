@@ -104,7 +104,7 @@ def fake_decoding(monkeypatch):
 
 # --------------------------------------------------------------------------- options
 
-BAD_DRAFT = "--draft must be 'trained', 'prompt_lookup' or 'layers:N'"
+BAD_DRAFT = "--draft must be 'trained', 'lookup+trained', 'prompt_lookup' or 'layers:N'"
 
 
 @pytest.mark.parametrize("option,message", [
@@ -130,6 +130,8 @@ BAD_DRAFT = "--draft must be 'trained', 'prompt_lookup' or 'layers:N'"
                  id="gemma-layer-draft"),
     pytest.param(["--model", "gemma3-270m", "--draft", "trained"], "the shipped draft head is SmolLM2",
                  id="gemma-trained-draft"),
+    pytest.param(["--model", "gemma3-270m", "--draft", "lookup+trained"], "the shipped draft head is SmolLM2",
+                 id="gemma-lookup-trained-draft"),
     pytest.param(["--model", "gpt5"], "invalid choice: 'gpt5'", id="model-unknown"),
     pytest.param(["--prompt", " "], "--prompt must not be empty", id="prompt-blank"),
     pytest.param(["--method", "jacobi", "--temperature", "0.7"], "--method jacobi is greedy", id="jacobi-sampled"),

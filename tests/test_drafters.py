@@ -619,7 +619,9 @@ def test_lookup_first_takes_the_lookup_where_it_matches_and_the_draft_elsewhere(
     draft.calls = 0
     proposal = drafter.propose(3, lambda logits: logits.argmax(-1))
     assert draft.calls == 0 and draft.committed == 1
-    assert proposal.token_ids.tolist() == [[1, 2, 3], [7, 8, 9]] and proposal.logits is None
+    assert proposal.token_ids.tolist() == [[1, 2, 3], [7, 8, 9]] and proposal.num_tokens.tolist() == [3, 3]
+    ids = torch.tensor([[1, 2, 3], [7, 8, 9]])[..., None]  # shaped as the draft's: one-hot logits
+    assert torch.equal(proposal.logits, torch.full((2, 3, V), float("-inf")).scatter_(2, ids, 0.0))
 
 
 def test_lookup_first_gives_chain_rows_as_one_branch_trees_beside_a_tree():
@@ -630,6 +632,9 @@ def test_lookup_first_gives_chain_rows_as_one_branch_trees_beside_a_tree():
     tree = draft.propose(3, None)
     assert proposal.token_ids[0].tolist() == [1, 2, 3] and proposal.parents[0].tolist() == [-1, 0, 1]
     assert torch.equal(proposal.token_ids[1], tree.token_ids[1]) and torch.equal(proposal.parents[1], tree.parents[1])
+    drafter.commit(torch.tensor([[1, 0, 0], [4, 5, 6]]), torch.tensor([1, 3]))  # both rows match: a tree still
+    proposal = drafter.propose(3, None)
+    assert proposal.token_ids.tolist() == [[2, 3, 1], [4, 5, 7]] and proposal.parents.tolist() == [[-1, 0, 1]] * 2
 
 
 @pytest.mark.parametrize("draft", ["model", "early-exit", "hostile", "lookup-tree"])
