@@ -474,8 +474,9 @@ class LookupFirstDraft:
 
     On the CPU a step where every row found a match does not run ``draft`` at all (reading that
     costs no device synchronization there); its proposal is still shaped as ``draft``'s last one
-    (draft logits, a tree), so that adaptive lengths see one kind of drafter. On other devices ``draft`` proposes every step and
-    the rows are merged on the device, as the decision would synchronize the loop.
+    (draft logits, a tree), so that adaptive lengths see one kind of drafter. On other devices
+    ``draft`` proposes every step and the rows are merged on the device, as the decision would
+    synchronize the loop.
 
     Lossless like its parts: lookup tokens are deterministic proposals. When ``draft`` gives
     draft logits, the rows that took the lookup's tokens get logits that are one-hot on them
