@@ -100,14 +100,15 @@ def parse_draft(kind: str) -> int | None:
 
 def make_draft(kind: str, target):
     """``"trained"`` (the shipped draft head, `load_smollm2_draft`), ``"lookup+trained"`` (prompt
-    lookup first, the head for the rows it cannot serve: `LookupFirstDraft`), ``"prompt_lookup"``
+    lookup first, the head, asked for at most 4 tokens, for the rows it cannot serve:
+    `LookupFirstDraft`), ``"prompt_lookup"``
     or ``"layers:N"`` (the target's first N layers, drafting in its cache) -> a drafter."""
     from specdec_kernels import EarlyExitDraft, LookupFirstDraft, PromptLookupDraft, load_smollm2_draft
 
     if kind == "trained":
         return load_smollm2_draft(target)
-    if kind == "lookup+trained":
-        return LookupFirstDraft(load_smollm2_draft(target))
+    if kind == "lookup+trained":  # lookup tokens are free: a longer -k pays for them, not for the head's
+        return LookupFirstDraft(load_smollm2_draft(target), draft_tokens=4)
     layers = parse_draft(kind)
     return PromptLookupDraft() if layers is None else EarlyExitDraft(target, layers)
 
@@ -462,7 +463,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="tokens to generate per prompt at most (default: %(default)s)")
     add("--draft", default="prompt_lookup", metavar="KIND",
         help=f"'trained' (the draft head shipped for SmolLM2), 'lookup+trained' (n-gram lookup where the text "
-             f"repeats, the trained head elsewhere), 'prompt_lookup' (n-gram lookup in the context) "
+             f"repeats, the trained head, at most 4 tokens, elsewhere: try -k 7), 'prompt_lookup' (n-gram lookup "
+             f"in the context) "
              f"or 'layers:N' (the model's first N of its {SMOLLM2_NUM_LAYERS} layers) (default: %(default)s)")
     add("--method", choices=("speculative", "lookahead", "jacobi"), default="speculative",
         help="what plain decoding is compared with: speculative decoding with --draft, lookahead decoding "

@@ -209,7 +209,8 @@ class ModelDraft:
         self.longest = _tighter(self.longest + N, committed_bound)
         # After a proposal at most two committed tokens are unread (the last draft, if all were
         # accepted, and the target's token); after a step without one, all N may be.
-        self.unread = min(N, 2) if self.proposed else self.unread + N
+        # (N is the commit's padded width: a row's unread tokens never outnumber its committed ones.)
+        self.unread = min(N, 2) if self.proposed else min(self.unread + N, self.longest)
         self.proposed = False
 
     def select(self, rows: torch.Tensor) -> None:
@@ -473,8 +474,9 @@ class LookupFirstDraft:
     often than a small draft's and cost nothing; elsewhere the draft carries on.
 
     On the CPU a step where every row found a match does not run ``draft`` at all (reading that
-    costs no device synchronization there); its proposal is still shaped as ``draft``'s last one
-    (draft logits, a tree), so that adaptive lengths see one kind of drafter. On other devices
+    costs no device synchronization there), once ``draft`` has proposed in the call; its proposal
+    is still shaped as ``draft``'s last one (draft logits, a tree), so that adaptive lengths see
+    one kind of drafter. On other devices
     ``draft`` proposes every step and the rows are merged on the device, as the decision would
     synchronize the loop.
 
@@ -510,24 +512,24 @@ class LookupFirstDraft:
         if draft_tokens is not None and (not is_int(draft_tokens) or draft_tokens < 1):
             raise ValueError(f"draft_tokens must be None or an int >= 1, got {draft_tokens!r}")
         self.draft, self.lookup, self.draft_tokens = draft, lookup, draft_tokens
-        self.kind: DraftProposal | None = None  # the draft's last proposal, emptied: what its proposals are like
         for need in ("needs_target_hidden", "needs_target_cache", "needs_committed_bound"):
             setattr(self, need, getattr(draft, need, False) is True)
 
     def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int, **shared) -> None:
         self.lookup.prefill(input_ids, q_seqlens, max_len)
         self.draft.prefill(input_ids, q_seqlens, max_len, **shared)
+        self.template: DraftProposal | None = None  # the draft's last proposal, emptied: what its proposals are like
 
     def propose(self, num_tokens: int, sample: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposal:
         found = self.lookup.propose(num_tokens, sample)
         matched = found.num_tokens > 0
-        if matched.device.type == "cpu" and bool(matched.all()):
+        if self.template is not None and matched.device.type == "cpu" and bool(matched.all()):
             # Shaped as the draft's proposals are (draft logits, trees), so that the loop's
             # draft lengths see one kind of drafter.
-            return found if self.kind is None else _merged(matched, found, _emptied(self.kind, len(matched)))
+            return _merged(matched, found, _emptied(self.template, len(matched)))
         asked = num_tokens if self.draft_tokens is None else min(num_tokens, self.draft_tokens)
         drafted = self.draft.propose(asked, sample)
-        self.kind = _emptied(drafted, 1)
+        self.template = _emptied(drafted, 1)
         return _merged(matched, found, drafted)
 
     def commit(self, token_ids: torch.Tensor, num_tokens: torch.Tensor, **extras) -> None:

@@ -655,6 +655,27 @@ def test_greedy_output_with_lookup_first_equals_generate(target, draft, adaptive
     assert (spec.stats.num_generated == plain.stats.num_generated).all()
 
 
+def test_a_model_draft_catches_up_after_many_wide_commits_without_a_proposal():
+    """Twelve commits of one real token padded to six, without a proposal (as when
+    `LookupFirstDraft`'s lookup serves every row), then a proposal: it equals a fresh draft's
+    given the same text, though the padding alone is three times the cache's capacity."""
+    model = tiny_llama(seed=7, scale=3.0, layers=1)
+    P, steps, max_len = 6, 12, 24
+    text = torch.randint(0, V, (1, P + steps), generator=torch.Generator().manual_seed(5))
+    draft = ModelDraft(model)
+    draft.prefill(text[:, :P], torch.tensor([P]), max_len)
+    for n in range(P, P + steps):
+        draft.commit(torch.cat([text[:, n:n + 1], torch.zeros(1, 5, dtype=torch.int64)], 1), torch.tensor([1]),
+                     committed_bound=n + 1)  # as the loop gives it
+    proposal = draft.propose(3, lambda logits: logits.argmax(-1))
+    fresh = ModelDraft(model)
+    fresh.prefill(text[:, :-1], torch.tensor([P + steps - 1]), max_len)
+    fresh.commit(text[:, -1:], torch.tensor([1]))
+    alone = fresh.propose(3, lambda logits: logits.argmax(-1))
+    assert torch.equal(proposal.token_ids, alone.token_ids)
+    torch.testing.assert_close(proposal.logits, alone.logits, rtol=1e-4, atol=1e-4)
+
+
 def test_sampling_with_lookup_first_is_lossless():
     """Chi-square of the first three sampled tokens against the target's exact distribution:
     rows whose first token makes the prompt's bigram (1, 62) recur (about 1 in 10) take the lookup's tokens with
