@@ -486,9 +486,12 @@ class LookupFirstDraft:
     as trees of one branch.
 
     Args:
-        draft: the drafter for rows without a match (`FeatureHeadDraft`, `ModelDraft`, ...).
-            Its needs (``needs_target_hidden`` and the like) are passed on to the loop. It sees
-            every commit, whether it proposed that step or not.
+        draft: the drafter for rows without a match (`FeatureHeadDraft`, `EarlyExitDraft`,
+            `ExitHeadDraft`, ...). Its needs (``needs_target_hidden`` and the like) are passed on
+            to the loop. It sees every commit, whether it proposed that step or not, and must
+            take each commit as the text: a row the lookup served commits tokens the draft did
+            not propose. `ModelDraft` keeps its own drafts' keys and values as the accepted
+            tokens', so it is refused.
         lookup: the `PromptLookupDraft` tried first. Default: ``PromptLookupDraft(min_ngram=2)``.
             A single recurring token is a weak guess, which a trained draft usually beats.
         draft_tokens: ask ``draft`` for at most this many tokens (None: as many as the loop
@@ -505,6 +508,10 @@ class LookupFirstDraft:
                  draft_tokens: int | None = None) -> None:
         if not isinstance(draft, Drafter):
             raise TypeError(f"draft must be a Drafter (prefill, propose, commit, select), got {type(draft).__name__}")
+        if isinstance(draft, ModelDraft):
+            raise TypeError("draft must take each commit as the text; ModelDraft keeps its own drafts in its cache as "
+                            "the accepted tokens, which the lookup's rows replace: use a FeatureHeadDraft or an "
+                            "EarlyExitDraft")
         if lookup is None:
             lookup = PromptLookupDraft(min_ngram=2)
         if not isinstance(lookup, PromptLookupDraft):

@@ -637,7 +637,7 @@ def test_lookup_first_gives_chain_rows_as_one_branch_trees_beside_a_tree():
     assert proposal.token_ids.tolist() == [[2, 3, 1], [4, 5, 7]] and proposal.parents.tolist() == [[-1, 0, 1]] * 2
 
 
-@pytest.mark.parametrize("draft", ["model", "early-exit", "hostile", "lookup-tree"])
+@pytest.mark.parametrize("draft", ["early-exit", "hostile", "lookup-tree"])
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("draft_tokens", [None, 2])
 def test_greedy_output_with_lookup_first_equals_generate(target, draft, adaptive, draft_tokens):
@@ -645,8 +645,7 @@ def test_greedy_output_with_lookup_first_equals_generate(target, draft, adaptive
     ids[:3, -4:] = ids[:3, -8:-4].clone()  # some rows repeat themselves, so the lookup matches there
     mask[:3] = 1
     plain = generate(target, ids, mask, max_new_tokens=24, temperature=0)
-    inner = {"model": lambda: ModelDraft(tiny_llama(seed=7, scale=3.0, layers=1)),
-             "early-exit": lambda: EarlyExitDraft(target, 1), "hostile": lambda: Hostile(3, True),
+    inner = {"early-exit": lambda: EarlyExitDraft(target, 1), "hostile": lambda: Hostile(3, True),
              "lookup-tree": lambda: PromptLookupDraft(branches=2)}[draft]()
     drafter = LookupFirstDraft(inner, draft_tokens=draft_tokens)
     spec = speculative_generate(target, drafter, ids, mask, num_draft_tokens=4, max_new_tokens=24, temperature=0,
@@ -656,9 +655,9 @@ def test_greedy_output_with_lookup_first_equals_generate(target, draft, adaptive
 
 
 def test_a_model_draft_catches_up_after_many_wide_commits_without_a_proposal():
-    """Twelve commits of one real token padded to six, without a proposal (as when
-    `LookupFirstDraft`'s lookup serves every row), then a proposal: it equals a fresh draft's
-    given the same text, though the padding alone is three times the cache's capacity."""
+    """Twelve commits of one real token padded to six, without a proposal, then a proposal: it
+    equals a fresh draft's given the same text, though the padding alone is three times the
+    cache's capacity."""
     model = tiny_llama(seed=7, scale=3.0, layers=1)
     P, steps, max_len = 6, 12, 24
     text = torch.randint(0, V, (1, P + steps), generator=torch.Generator().manual_seed(5))
@@ -679,7 +678,7 @@ def test_a_model_draft_catches_up_after_many_wide_commits_without_a_proposal():
 def test_sampling_with_lookup_first_is_lossless():
     """Chi-square of the first three sampled tokens against the target's exact distribution:
     rows whose first token makes the prompt's bigram (1, 62) recur (about 1 in 10) take the lookup's tokens with
-    one-hot logits, the others a model draft's sampled tokens and logits, in the same steps."""
+    one-hot logits, the others a layer draft's sampled tokens and logits, in the same steps."""
     from test_generation import P_THRESHOLD, chi_square_pvalue, exact_first_tokens_distribution
 
     small = dict(layers=2, hidden=32, heads=4, kv_heads=1, vocab_size=64)
@@ -687,7 +686,7 @@ def test_sampling_with_lookup_first_is_lossless():
     prompt = torch.tensor([3, 1, 62, 1])
     joint, marginal3 = exact_first_tokens_distribution(target, prompt)
     ids = prompt.expand(6000, -1).contiguous()
-    drafter = LookupFirstDraft(ModelDraft(tiny_llama(seed=2, scale=4.0, **small)))
+    drafter = LookupFirstDraft(EarlyExitDraft(target, 1))
     out = speculative_generate(target, drafter, ids, num_draft_tokens=2, max_new_tokens=3, seed=7, adaptive=False,
                                temperature=1.0)
     t = out.tokens
@@ -701,6 +700,7 @@ def test_sampling_with_lookup_first_is_lossless():
     ((object(),), {}, TypeError, "draft must be a Drafter"),
     ((RepeatLastToken(), RepeatLastToken()), {}, TypeError, "lookup must be a PromptLookupDraft"),
     ((RepeatLastToken(),), dict(draft_tokens=0), ValueError, "draft_tokens must be None or an int >= 1"),
+    ((ModelDraft(tiny_llama(layers=1)),), {}, TypeError, "ModelDraft keeps its own drafts in its cache"),
 ])
 def test_lookup_first_refuses_bad_arguments(args, kwargs, error, message):
     with pytest.raises(error, match=message):
