@@ -625,8 +625,8 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     most ``k``), an `ExitHead` file ``exit_head`` if given, and prompt lookup against our plain
     generate on held-out prompts (`held_out_prompts`, or with ``open_prompts`` `OPEN_PROMPTS`,
     which ask for new text rather than work on a text they quote; batch 1 answers each in turn,
-    a batch of b rows the first b, cycled), greedy at each batch size and sampled (temperature 0.7) at batch 1; fixed K
-    and adaptive; every method ``repeats`` times, interleaved, with plain runs around each
+    a batch of b rows the first b, cycled), greedy at each batch size and sampled (temperature
+    0.7) at batch 1; fixed K and adaptive; every method ``repeats`` times, interleaved, with plain runs around each
     (`_interleaved_medians`). Columns: speedup (median over rounds of the ratio to the plain runs
     around it), acceptance per drafted token, tokens per target forward, the measured c and v,
     Leviathan's prediction and the efficiency (as in `table`, for fixed K), the mean draft
@@ -662,13 +662,13 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
         for (name, adaptive), (_, out) in ((m, v) for m, v in median.items() if m != "plain"):
             if temperature == 0 and not torch.equal(out.tokens, plain.tokens):
                 raise AssertionError(f"{name} gave other greedy tokens than plain generate")
-            st, draft_k = out.stats, drafters[name][1]
+            st, (draft, draft_k) = out.stats, drafters[name]
             target_step = plain.stats.time_target_s / (plain.stats.target_forwards - 1)
             v = st.time_target_s / (st.target_forwards - 1) / target_step
             c = st.time_draft_s / max(1, _run_total(st, st.num_proposed)) / target_step
             # (Leviathan's i.i.d. prediction does not describe a mix of two drafts.)
-            predicted, efficiency = (leviathan(st, draft_k, plain.stats) if not adaptive and "lookup first" not in name
-                                     else (None, None))
+            mixed = isinstance(draft, LookupFirstDraft)
+            predicted, efficiency = leviathan(st, draft_k, plain.stats) if not (adaptive or mixed) else (None, None)
             kind = f"{'adaptive' if adaptive else 'fixed'}{f' (K = {draft_k})' if draft_k != k else ''}"
             lines.append(f"| {B} | {temperature:g} | {name} | {kind} | "
                          f"{speedups[name, adaptive]:.2f}x | {st.acceptance_rate:.1%} | "
@@ -680,8 +680,7 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
               "|---|---|---|---|---|---|---|---|---|---|---|---|")
     return (f"SmolLM2-135M-Instruct float32 on cpu, {max_new_tokens} new tokens per row, K = {k} unless noted, "
             f"{len(prompts)} {'open' if open_prompts else 'held-out'} prompts (batch 1: one at a time), "
-            f"speedups: median over {repeats} "
-            f"interleaved rounds of the ratio to plain runs made around each run\n"
+            f"speedups: median over {repeats} interleaved rounds of the ratio to plain runs made around each run\n"
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 

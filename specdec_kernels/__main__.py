@@ -101,8 +101,8 @@ def parse_draft(kind: str) -> int | None:
 def make_draft(kind: str, target):
     """``"trained"`` (the shipped draft head, `load_smollm2_draft`), ``"lookup+trained"`` (prompt
     lookup first, the head, asked for at most 4 tokens, for the rows it cannot serve:
-    `LookupFirstDraft`), ``"prompt_lookup"``
-    or ``"layers:N"`` (the target's first N layers, drafting in its cache) -> a drafter."""
+    `LookupFirstDraft`), ``"prompt_lookup"`` or ``"layers:N"`` (the target's first N layers,
+    drafting in its cache) -> a drafter."""
     from specdec_kernels import EarlyExitDraft, LookupFirstDraft, PromptLookupDraft, load_smollm2_draft
 
     if kind == "trained":
@@ -464,8 +464,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add("--draft", default="prompt_lookup", metavar="KIND",
         help=f"'trained' (the draft head shipped for SmolLM2), 'lookup+trained' (n-gram lookup where the text "
              f"repeats, the trained head, at most 4 tokens, elsewhere: try -k 7), 'prompt_lookup' (n-gram lookup "
-             f"in the context) "
-             f"or 'layers:N' (the model's first N of its {SMOLLM2_NUM_LAYERS} layers) (default: %(default)s)")
+             f"in the context) or 'layers:N' (the model's first N of its {SMOLLM2_NUM_LAYERS} layers) "
+             f"(default: %(default)s)")
     add("--method", choices=("speculative", "lookahead", "jacobi"), default="speculative",
         help="what plain decoding is compared with: speculative decoding with --draft, lookahead decoding "
              "(lookahead_generate, its defaults) or Jacobi decoding (jacobi_generate, greedy) (default: %(default)s)")

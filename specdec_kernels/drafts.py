@@ -476,9 +476,8 @@ class LookupFirstDraft:
     On the CPU a step where every row found a match does not run ``draft`` at all (reading that
     costs no device synchronization there), once ``draft`` has proposed in the call; its proposal
     is still shaped as ``draft``'s last one (draft logits, a tree), so that adaptive lengths see
-    one kind of drafter. On other devices
-    ``draft`` proposes every step and the rows are merged on the device, as the decision would
-    synchronize the loop.
+    one kind of drafter. On other devices ``draft`` proposes every step and the rows are merged
+    on the device, as the decision would synchronize the loop.
 
     Lossless like its parts: lookup tokens are deterministic proposals. When ``draft`` gives
     draft logits, the rows that took the lookup's tokens get logits that are one-hot on them
@@ -487,7 +486,7 @@ class LookupFirstDraft:
 
     Args:
         draft: the drafter for rows without a match (`FeatureHeadDraft`, `EarlyExitDraft`,
-            `ExitHeadDraft`, ...). Its needs (``needs_target_hidden`` and the like) are passed on
+            ...). Its needs (``needs_target_hidden`` and the like) are passed on
             to the loop. It sees every commit, whether it proposed that step or not, and must
             take each commit as the text: a row the lookup served commits tokens the draft did
             not propose. `ModelDraft` keeps its own drafts' keys and values as the accepted
