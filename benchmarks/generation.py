@@ -563,12 +563,13 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
 
 
 def held_out_prompts(count: int = 8) -> tuple[str, ...]:
-    """Prompts the draft-head recipe never trains on (`build_prompts`' held-out set, past the
-    ones its held-out evaluation shards answer)."""
+    """Prompts the draft-head recipe never trains on: its documents kind's held-out set
+    (`build_prompts`), past the ones the documents-only recipe's evaluation shards answer. They
+    ask to summarize, rewrite or explain text they quote: answers copy from their prompts."""
     from specdec_kernels.draft_data import build_prompts
     from specdec_kernels.draft_training import HELD_OUT_SHARDS
 
-    held_out = build_prompts()[1]
+    held_out = build_prompts(kinds=("documents",))[1]
     return tuple(held_out[64 * HELD_OUT_SHARDS:][:count])
 
 

@@ -333,7 +333,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def run_train_draft(args: argparse.Namespace) -> int:
     from specdec_kernels.draft_training import TrainSettings, train_draft
-    from specdec_kernels.pretrained import ModelNotInstalledError
+    from specdec_kernels.pretrained import SMOLLM2_DRAFT_HEAD, ModelNotInstalledError
 
     for flag, value in (("--minutes", args.minutes), ("--steps", args.steps), ("--prompts", args.prompts),
                         ("--data-batch-size", args.data_batch_size), ("--exit-layer", args.exit_layer)):
@@ -346,15 +346,23 @@ def run_train_draft(args: argparse.Namespace) -> int:
     if args.exit_layer is not None and args.head != "early-exit":
         print("train-draft: --exit-layer is for --head early-exit", file=sys.stderr)
         return 2
-    settings = TrainSettings(head=args.head, **{name: value for name, value in (("steps", args.steps),
-                                                                                ("exit_layer", args.exit_layer))
-                                                if value is not None})
+    if args.lr is not None and not args.lr > 0:
+        print(f"train-draft: --lr must be > 0, got {args.lr}", file=sys.stderr)
+        return 2
+    init = args.init
+    if init == "shipped":
+        if args.head != "feature":
+            print("train-draft: --init shipped is the feature head: pass --head feature", file=sys.stderr)
+            return 2
+        init = str(SMOLLM2_DRAFT_HEAD)
+    options = (("steps", args.steps), ("exit_layer", args.exit_layer), ("lr", args.lr), ("init", init))
+    settings = TrainSettings(head=args.head, **{name: value for name, value in options if value is not None})
     log = lambda line: print(time.strftime("%H:%M:%S"), line, flush=True)
     try:
         path = train_draft(target=args.target, head=args.head, data_dir=args.data_dir, out_dir=args.out_dir,
                            stage=args.stage, max_minutes=args.minutes, settings=settings, num_prompts=args.prompts,
                            device=args.device, prompts_file=args.prompts_file,
-                           data_batch_size=args.data_batch_size, log=log)
+                           data_batch_size=args.data_batch_size, prompt_kinds=tuple(args.prompt_kinds), log=log)
     except (ModelNotInstalledError, FileNotFoundError, ValueError) as e:
         print(f"train-draft: {e}", file=sys.stderr)
         return 2
@@ -440,11 +448,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                        help="prompts: only write this machine's prompts to --prompts-file (default: %(default)s)")
     train.add_argument("--minutes", type=float, default=None, help="wall-time budget of this piece (default: none)")
     train.add_argument("--steps", type=int, default=None, help="optimizer steps in all (default: 4000)")
+    train.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 1e-3)")
+    train.add_argument("--init", default=None, metavar="HEAD",
+                       help="start from this head file (fine-tune it; 'shipped': the head in the package) "
+                            "(default: fresh weights)")
     train.add_argument("--prompts", type=int, default=None,
                        help="training prompts to answer and train on, rounded up to shards of 64 (default: all)")
     train.add_argument("--prompts-file", default=None, metavar="F",
                        help="the data stage answers the prompts in F (written by --stage prompts, e.g. on "
                             "another machine) (default: build them from text on this machine)")
+    train.add_argument("--prompt-kinds", nargs="+", choices=("documents", "open"), default=["documents", "open"],
+                       metavar="KIND", help="documents (tasks over this machine's documentation, packages and "
+                                            "code), open (questions, stories, advice) (default: both)")
     train.add_argument("--data-batch-size", type=int, default=32, metavar="B",
                        help="prompts answered together; recorded with the data (default: %(default)s)")
     train.add_argument("--data-dir", default=None, help="(default: <cache>/draft-data-<target>)")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import pkgutil
@@ -162,16 +163,60 @@ def _list_tasks(rng: random.Random, names: list[str], count: int) -> list[str]:
     return tasks
 
 
+# Open requests, the kinds users write to a chat model: questions, stories, advice, letters. A
+# topic list is the one text here that is not read from the machine (none of its topics is one of
+# the benchmark's open prompts). Every template takes every topic.
+OPEN_TOPICS = (
+    "volcanoes", "honeybees", "the moon", "saving money", "learning to cook", "growing tomatoes", "public libraries",
+    "chess", "rainforests", "getting enough sleep", "time management", "the printing press", "recycling",
+    "learning a second language", "coffee", "ocean tides", "friendship", "job interviews", "camping in the mountains",
+    "electric cars", "ancient Rome", "baking bread", "photography", "volunteering", "owning a cat", "dinosaurs",
+    "solar energy", "the human heart", "practising a musical instrument", "public speaking", "travelling on a budget",
+    "winter storms", "board games", "first aid", "the water cycle", "city parks", "trains", "writing a resume",
+    "meditation", "gardening on a balcony", "earthquakes", "penguins", "the internet", "mechanical clocks",
+    "vaccines", "chocolate", "museums", "rivers", "moving to a new city", "birthday parties", "healthy breakfasts",
+    "the pyramids of Egypt", "black holes", "teamwork", "rainbows", "the history of writing", "walking to work",
+    "starting a small business", "houseplants", "the Olympic Games", "robots", "climate change", "forests in autumn",
+    "a rainy afternoon", "dogs as pets", "the invention of the telephone", "kindness to strangers", "deserts",
+    "learning to swim", "the night sky", "pizza", "keeping a diary", "an old map", "a lost key", "a village market",
+)
+OPEN_TEMPLATES = (
+    "Explain {} to a ten-year-old.", "What should everyone know about {}?", "Write a short story about {}.",
+    "Write a short poem about {}.", "Give me five practical tips about {}.", "What are the pros and cons of {}?",
+    "Describe {} in a few sentences.", "Why does {} matter?", "Write a friendly email to a colleague about {}.",
+    "I'm curious about {}. Where should I start?", "Tell me three interesting facts about {}.",
+    "Write a short dialogue between two friends talking about {}.",
+    "What mistakes do people often make when it comes to {}?", "Summarize what people have learned about {} over time.",
+)
+
+
+def _open_tasks() -> list[str]:
+    return [template.format(topic) for topic in OPEN_TOPICS for template in OPEN_TEMPLATES]
+
+
 def is_held_out(prompt: str) -> bool:
     """Whether ``prompt`` belongs to the held-out set (a stable hash: one prompt in twenty)."""
     return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "little") % HELD_OUT_ONE_IN == 0
 
 
-def build_prompts(seed: int = 0) -> tuple[list[str], list[str]]:
+PROMPT_KINDS = ("documents", "open")
+
+
+def build_prompts(seed: int = 0, kinds: tuple[str, ...] = PROMPT_KINDS) -> tuple[list[str], list[str]]:
     """The training and held-out prompts, built from text on this machine, in a fixed shuffled order.
 
-    The same machine and seed give the same lists; the held-out prompts are those `is_held_out`
-    picks, so a prompt is never in both.
+    Two kinds: ``"documents"``, tasks over the standard library, the installed packages, the
+    documentation and lists (copy-heavy: summarize, rewrite, explain, annotate), and ``"open"``,
+    requests of the kinds users write (questions, stories, advice, letters over `OPEN_TOPICS`).
+    With both, the lists alternate one prompt of each kind while both last, so that any prefix
+    (``train-draft --prompts N``) holds as many of each.
+
+    The same machine, seed and kinds give the same lists; the held-out prompts are those
+    `is_held_out` picks, so a prompt is never in both.
+
+    Args:
+        seed: shuffles each kind's list (and picks each documents task's wording).
+        kinds: a non-empty subset of `PROMPT_KINDS`, in any order (documents first in the lists).
 
     Returns:
         ``(train, held_out)``: lists of user messages (not chat-formatted).
@@ -181,13 +226,25 @@ def build_prompts(seed: int = 0) -> tuple[list[str], list[str]]:
         train, held_out = build_prompts()
         print(len(train), held_out[0])
     """
-    rng = random.Random(seed)
-    tasks = _function_tasks(rng) + _package_tasks(rng) + _doc_tasks(rng)
-    names = sorted({m.name for m in pkgutil.iter_modules() if m.name in sys.stdlib_module_names}
-                   | {name for name, _, _ in _debian_packages()})
-    tasks += _list_tasks(rng, names, len(tasks) // 8)
-    tasks = sorted(set(tasks))  # duplicates (same docstring twice) once, in an order the seed then shuffles
-    rng.shuffle(tasks)
+    if not kinds or not set(kinds) <= set(PROMPT_KINDS) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"kinds must be a non-empty subset of {PROMPT_KINDS} without repeats, got {kinds!r}")
+    lists = []
+    if "documents" in kinds:
+        rng = random.Random(seed)
+        tasks = _function_tasks(rng) + _package_tasks(rng) + _doc_tasks(rng)
+        names = sorted({m.name for m in pkgutil.iter_modules() if m.name in sys.stdlib_module_names}
+                       | {name for name, _, _ in _debian_packages()})
+        tasks += _list_tasks(rng, names, len(tasks) // 8)
+        tasks = sorted(set(tasks))  # a task listed twice (same docstring twice) once, then shuffled
+        rng.shuffle(tasks)
+        lists.append(tasks)
+    if "open" in kinds:
+        tasks = _open_tasks()
+        random.Random(seed + 1).shuffle(tasks)
+        lists.append(tasks)
+    # One of each kind in turn while both last (the documents list's own order is the one an
+    # earlier version of the recipe used alone).
+    tasks = [t for group in itertools.zip_longest(*lists) for t in group if t is not None]
     held_out = [t for t in tasks if is_held_out(t)]
     return [t for t in tasks if not is_held_out(t)], held_out
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .draft_data import Shard
-from .draft_heads import ExitHead, FeatureHead
+from .draft_heads import ExitHead, FeatureHead, _check_head_fits
 from .model import Llama
 
 
@@ -55,6 +55,8 @@ class TrainSettings:
         head: ``"feature"`` (`FeatureHead`) or ``"early-exit"`` (`ExitHead`; ``unroll``,
             ``step_decay`` and ``feature_weight`` do not apply to it).
         exit_layer: the target layers an ``"early-exit"`` head runs.
+        init: a head file of this kind to start from (fine-tuning it: its weights and draft
+            vocabulary); empty: fresh weights and the data's most frequent ids.
     """
 
     steps: int = 4000
@@ -70,6 +72,7 @@ class TrainSettings:
     checkpoint_every: int = 100
     head: str = "feature"
     exit_layer: int = 2
+    init: str = ""
 
 
 @dataclass
@@ -343,6 +346,16 @@ def new_head(target: Llama, vocabulary: torch.Tensor, seed: int, *, kind: str = 
     return head
 
 
+def _initial_head(target: Llama, settings: TrainSettings) -> FeatureHead | ExitHead:
+    """The head in ``settings.init`` (float32), checked against the settings and the target."""
+    head = (FeatureHead.load(settings.init) if settings.head == "feature" else ExitHead.load(settings.init))
+    if isinstance(head, ExitHead) and head.exit_layer != settings.exit_layer:
+        raise ValueError(f"{settings.init} exits after layer {head.exit_layer}, but exit_layer={settings.exit_layer}: "
+                         "pass the same")
+    _check_head_fits(target, head)
+    return head
+
+
 def _blank_head(target: Llama, kind: str, exit_layer: int, vocabulary: torch.Tensor) -> FeatureHead | ExitHead:
     if kind == "feature":
         return FeatureHead(target.config, vocabulary)
@@ -407,6 +420,8 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
         head = _blank_head(target, settings.head, settings.exit_layer, state["head"]["draft_vocab"])
         head.load_state_dict(state["head"])
         step = state["step"]
+    elif settings.init:
+        head, step, state = _initial_head(target, settings), 0, None
     else:
         vocabulary = draft_vocabulary(sequences, settings.draft_vocab_size, target.vocab_size)
         head = new_head(target, vocabulary, settings.seed, kind=settings.head, exit_layer=settings.exit_layer)
@@ -465,13 +480,14 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
                 out_dir: str | os.PathLike | None = None, stage: str = "all", max_minutes: float | None = None,
                 settings: TrainSettings | None = None, num_prompts: int | None = None,
                 device: str | None = None, prompts_file: str | os.PathLike | None = None,
-                data_batch_size: int = 32, log: Callable[[str], None] = print) -> Path | None:
+                data_batch_size: int = 32, prompt_kinds: tuple[str, ...] = ("documents", "open"),
+                log: Callable[[str], None] = print) -> Path | None:
     """The training recipe, in resumable pieces: answer prompts (``stage="data"``), train a head
     (``"train"``), or both (``"all"``); run it again to go on where the last piece stopped.
     ``stage="prompts"`` only writes this machine's prompts to ``prompts_file``, for a GPU machine
     to answer and train on.
 
-    Data: `build_prompts` on this machine (or the lists in ``prompts_file``); held-out shards first
+    Data: `build_prompts` on this machine, of ``prompt_kinds`` (or the lists in ``prompts_file``); held-out shards first
     (``data_dir/held-out``, never trained on), then training shards (``data_dir``). Training reads
     every training shard on disk when the piece starts and checkpoints in ``out_dir``; when
     ``settings.steps`` are done it writes ``out_dir/head.pt`` (float16) and logs the held-out
@@ -491,6 +507,8 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
             None: `build_prompts` on this machine.
         data_batch_size: prompts answered together (recorded with the shards: a data folder keeps
             one batch size).
+        prompt_kinds: the kinds of prompts `build_prompts` makes (its ``kinds``; a data folder
+            keeps one list of prompts).
 
     Returns:
         The path of the finished head, or None while training is unfinished.
@@ -518,13 +536,15 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     if stage == "prompts":
         if prompts_file is None:
             raise ValueError("stage 'prompts' writes the prompts to prompts_file: pass one")
-        train, held_out = build_prompts()
+        train, held_out = build_prompts(kinds=prompt_kinds)
         save_prompts(prompts_file, train, held_out)
         log(f"prompts: {len(train)} training and {len(held_out)} held-out prompts written to {prompts_file}")
         return None
     settings = settings or TrainSettings(head=head)
     if settings.head != head:
         raise ValueError(f"head={head!r} but settings.head={settings.head!r}: pass the same kind")
+    if settings.init and stage in ("train", "all"):  # a bad head file is named before the model loads
+        (FeatureHead if head == "feature" else ExitHead).load(settings.init)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = Path(data_dir) if data_dir is not None else cache_dir() / f"draft-data-{target}"
     out_dir = Path(out_dir) if out_dir is not None else cache_dir() / f"draft-{head}-{target}"
@@ -532,7 +552,7 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     left = lambda: None if deadline is None else max(0.0, deadline - time.perf_counter())
     max_shards = None if num_prompts is None else -(-num_prompts // 64)
     if stage in ("data", "all"):  # a bad prompts file is named before the model loads
-        train, held_out = build_prompts() if prompts_file is None else load_prompts(prompts_file)
+        train, held_out = build_prompts(kinds=prompt_kinds) if prompts_file is None else load_prompts(prompts_file)
     model, tokenizer = load_smollm2(device=device)
     depth = model.config.num_hidden_layers
     if settings.head == "early-exit" and not 1 <= settings.exit_layer < depth:

@@ -336,6 +336,30 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(target, tmp_path):
         train_head(target, sequences, tmp_path / "pieces", settings)
 
 
+def test_a_run_from_a_head_file_fine_tunes_that_head(target, tmp_path):
+    """``init``: training starts from the file's weights and draft vocabulary, not fresh ones."""
+    sequences = load_sequences(_tiny_shards(target, tmp_path, count=2))
+    settings = TrainSettings(steps=40, tokens_per_batch=64, lr=3e-3, warmup=5, unroll=2, draft_vocab_size=64,
+                             checkpoint_every=1000)
+    trained = train_head(target, sequences, tmp_path / "first", settings, log=lambda _: None)
+    trained.save(tmp_path / "head.pt", dtype=torch.float32)
+    tuned = train_head(target, sequences, tmp_path / "tuned", TrainSettings(
+        **{**settings.__dict__, "steps": 1, "lr": 1e-9, "init": str(tmp_path / "head.pt")}), log=lambda _: None)
+    fresh = train_head(target, sequences, tmp_path / "fresh", TrainSettings(
+        **{**settings.__dict__, "steps": 1, "lr": 1e-9, "draft_vocab_size": 32}), log=lambda _: None)
+    assert torch.equal(tuned.draft_vocab, trained.draft_vocab) and len(fresh.draft_vocab) == 32
+    scores = [evaluate(target, head, sequences, unroll=2)["top1_step1"] for head in (trained, tuned, fresh)]
+    assert scores[1] == pytest.approx(scores[0], abs=0.02) and scores[1] > scores[2] + 0.2
+    exit_head = new_head(target, trained.draft_vocab, 0, kind="early-exit", exit_layer=1)
+    exit_head.save(tmp_path / "exit.pt")
+    with pytest.raises(ValueError, match="not a draft head of kind 'feature'"):
+        train_head(target, sequences, tmp_path / "bad", TrainSettings(**{**settings.__dict__,
+                                                                         "init": str(tmp_path / "exit.pt")}))
+    with pytest.raises(ValueError, match="exits after layer 1, but exit_layer=2"):
+        train_head(target, sequences, tmp_path / "bad2", TrainSettings(
+            **{**settings.__dict__, "head": "early-exit", "exit_layer": 2, "init": str(tmp_path / "exit.pt")}))
+
+
 def test_the_draft_vocabulary_is_the_most_frequent_answer_ids(target, tmp_path):
     sequences = load_sequences(_tiny_shards(target, tmp_path, count=1))
     vocab = draft_vocabulary(sequences, 10, V)
@@ -387,6 +411,25 @@ def test_held_out_prompts_are_never_training_prompts():
     assert all(is_held_out(p) for p in held_out) and not any(is_held_out(p) for p in train[:500])
 
 
+def test_prompt_kinds_alternate_and_keep_the_documents_order():
+    from specdec_kernels.draft_data import OPEN_TEMPLATES, OPEN_TOPICS, build_prompts
+
+    documents, open_ = build_prompts(kinds=("documents",)), build_prompts(kinds=("open",))
+    assert build_prompts(kinds=("open", "documents")) == build_prompts()
+    assert len(open_[0]) + len(open_[1]) == len(OPEN_TOPICS) * len(OPEN_TEMPLATES)
+    assert not set(open_[0] + open_[1]) & set(documents[0] + documents[1])
+    train, held_out = build_prompts()
+    # Each kind keeps its own order; a prefix holds as many of each while both last.
+    kinds = [p in set(open_[0]) for p in train]
+    assert [p for p, o in zip(train, kinds, strict=True) if o] == open_[0]
+    assert [p for p, o in zip(train, kinds, strict=True) if not o] == documents[0]
+    assert abs(sum(kinds[:1024]) - 512) <= 32
+    assert sorted(held_out) == sorted(documents[1] + open_[1])
+    for bad in ((), ("open", "open"), ("chat",)):
+        with pytest.raises(ValueError, match="kinds must be a non-empty subset"):
+            build_prompts(kinds=bad)
+
+
 @pytest.mark.parametrize("name", ["prompts.json", "prompts.json.gz"])
 def test_prompt_files_round_trip_and_refuse_bad_files(tmp_path, name):
     from specdec_kernels.draft_data import is_held_out, load_prompts, save_prompts
@@ -428,6 +471,11 @@ def test_train_draft_writes_this_machines_prompts_for_another(tmp_path, capsys):
     (["--prompts", "0"], "--prompts must be > 0"),
     (["--head", "early-exit", "--exit-layer", "0"], "--exit-layer must be > 0"),
     (["--exit-layer", "3"], "--exit-layer is for --head early-exit"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--head", "early-exit", "--init", "shipped"], "--init shipped is the feature head"),
+    (["--stage", "train", "--init", "/nonexistent/head.pt"], "no draft head file at /nonexistent/head.pt"),
+    (["--prompt-kinds", "open", "open", "--stage", "prompts", "--prompts-file", "/nonexistent/p.json"],
+     "kinds must be a non-empty subset"),
 ])
 def test_train_draft_refuses_bad_options(capsys, argv, message):
     from specdec_kernels.__main__ import main
