@@ -55,8 +55,10 @@ class TrainSettings:
         head: ``"feature"`` (`FeatureHead`) or ``"early-exit"`` (`ExitHead`; ``unroll``,
             ``step_decay`` and ``feature_weight`` do not apply to it).
         exit_layer: the target layers an ``"early-exit"`` head runs.
-        init: a head file of this kind to start from (fine-tuning it: its weights and draft
-            vocabulary); empty: fresh weights and the data's most frequent ids.
+        init: a head file of this kind whose weights training starts from (fine-tuning it); empty:
+            fresh weights. Its draft vocabulary gains the data's ``draft_vocab_size`` most
+            frequent ids it lacks (the head's weights do not depend on the vocabulary: it drafts
+            from the target's LM-head rows), so text of a new kind can be drafted.
     """
 
     steps: int = 4000
@@ -346,13 +348,17 @@ def new_head(target: Llama, vocabulary: torch.Tensor, seed: int, *, kind: str = 
     return head
 
 
-def _initial_head(target: Llama, settings: TrainSettings) -> FeatureHead | ExitHead:
-    """The head in ``settings.init`` (float32), checked against the settings and the target."""
-    head = (FeatureHead.load(settings.init) if settings.head == "feature" else ExitHead.load(settings.init))
-    if isinstance(head, ExitHead) and head.exit_layer != settings.exit_layer:
-        raise ValueError(f"{settings.init} exits after layer {head.exit_layer}, but exit_layer={settings.exit_layer}: "
-                         "pass the same")
-    _check_head_fits(target, head)
+def _initial_head(target: Llama, settings: TrainSettings, frequent: torch.Tensor) -> FeatureHead | ExitHead:
+    """The head in ``settings.init`` (float32), checked against the settings and the target,
+    drafting from its own ids and then the ``frequent`` ids it lacks."""
+    loaded = (FeatureHead.load(settings.init) if settings.head == "feature" else ExitHead.load(settings.init))
+    if isinstance(loaded, ExitHead) and loaded.exit_layer != settings.exit_layer:
+        raise ValueError(f"{settings.init} exits after layer {loaded.exit_layer}, but "
+                         f"exit_layer={settings.exit_layer}: pass the same")
+    _check_head_fits(target, loaded)
+    vocabulary = torch.cat([loaded.draft_vocab, frequent[~torch.isin(frequent, loaded.draft_vocab)]])
+    head = _blank_head(target, settings.head, settings.exit_layer, vocabulary)
+    head.load_state_dict({**loaded.state_dict(), "draft_vocab": vocabulary})
     return head
 
 
@@ -420,11 +426,10 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
         head = _blank_head(target, settings.head, settings.exit_layer, state["head"]["draft_vocab"])
         head.load_state_dict(state["head"])
         step = state["step"]
-    elif settings.init:
-        head, step, state = _initial_head(target, settings), 0, None
     else:
         vocabulary = draft_vocabulary(sequences, settings.draft_vocab_size, target.vocab_size)
-        head = new_head(target, vocabulary, settings.seed, kind=settings.head, exit_layer=settings.exit_layer)
+        head = (_initial_head(target, settings, vocabulary) if settings.init else
+                new_head(target, vocabulary, settings.seed, kind=settings.head, exit_layer=settings.exit_layer))
         step, state = 0, None
     device = target.output.weight.device
     head = head.to(device).train()

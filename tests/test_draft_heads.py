@@ -337,27 +337,31 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(target, tmp_path):
 
 
 def test_a_run_from_a_head_file_fine_tunes_that_head(target, tmp_path):
-    """``init``: training starts from the file's weights and draft vocabulary, not fresh ones."""
+    """``init``: training starts from the file's weights, not fresh ones, and drafts from the
+    file's ids then the data's most frequent ones it lacks."""
     sequences = load_sequences(_tiny_shards(target, tmp_path, count=2))
     settings = TrainSettings(steps=40, tokens_per_batch=64, lr=3e-3, warmup=5, unroll=2, draft_vocab_size=64,
                              checkpoint_every=1000)
     trained = train_head(target, sequences, tmp_path / "first", settings, log=lambda _: None)
     trained.save(tmp_path / "head.pt", dtype=torch.float32)
-    tuned = train_head(target, sequences, tmp_path / "tuned", TrainSettings(
-        **{**settings.__dict__, "steps": 1, "lr": 1e-9, "init": str(tmp_path / "head.pt")}), log=lambda _: None)
-    fresh = train_head(target, sequences, tmp_path / "fresh", TrainSettings(
-        **{**settings.__dict__, "steps": 1, "lr": 1e-9, "draft_vocab_size": 32}), log=lambda _: None)
-    assert torch.equal(tuned.draft_vocab, trained.draft_vocab) and len(fresh.draft_vocab) == 32
+    once = lambda folder, **changes: train_head(target, sequences, tmp_path / folder, TrainSettings(
+        **{**settings.__dict__, "steps": 1, "lr": 1e-9, **changes}), log=lambda _: None)
+    tuned, fresh = once("tuned", init=str(tmp_path / "head.pt")), once("fresh")
+    assert torch.equal(tuned.draft_vocab, trained.draft_vocab)
     scores = [evaluate(target, head, sequences, unroll=2)["top1_step1"] for head in (trained, tuned, fresh)]
     assert scores[1] == pytest.approx(scores[0], abs=0.02) and scores[1] > scores[2] + 0.2
+    # A head of other ids keeps them, in its order, and gains the data's most frequent ones.
+    rare = torch.tensor([i for i in range(V) if i not in set(trained.draft_vocab.tolist())][:5] +
+                        trained.draft_vocab[:3].tolist())
+    new_head(target, rare, 0).save(tmp_path / "rare.pt", dtype=torch.float32)
+    grown = once("grown", init=str(tmp_path / "rare.pt"))
+    assert torch.equal(grown.draft_vocab, torch.cat([rare, trained.draft_vocab[3:]]))
     exit_head = new_head(target, trained.draft_vocab, 0, kind="early-exit", exit_layer=1)
     exit_head.save(tmp_path / "exit.pt")
     with pytest.raises(ValueError, match="not a draft head of kind 'feature'"):
-        train_head(target, sequences, tmp_path / "bad", TrainSettings(**{**settings.__dict__,
-                                                                         "init": str(tmp_path / "exit.pt")}))
+        once("bad", init=str(tmp_path / "exit.pt"))
     with pytest.raises(ValueError, match="exits after layer 1, but exit_layer=2"):
-        train_head(target, sequences, tmp_path / "bad2", TrainSettings(
-            **{**settings.__dict__, "head": "early-exit", "exit_layer": 2, "init": str(tmp_path / "exit.pt")}))
+        once("bad2", head="early-exit", exit_layer=2, init=str(tmp_path / "exit.pt"))
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_answer_ids(target, tmp_path):
