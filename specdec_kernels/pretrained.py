@@ -383,8 +383,9 @@ SMOLLM2_DRAFT_HEAD = Path(__file__).parent / "heads" / "smollm2-feature.pt"
 def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = None):
     """The draft head shipped for SmolLM2-135M-Instruct, as a drafter for ``target``.
 
-    An EAGLE-style `FeatureHead` (one decoder layer over the target's features, an 8192-id draft
-    vocabulary) trained on this package's recipe (``python -m specdec_kernels train-draft``; see
+    An EAGLE-style `FeatureHead` (one decoder layer over the target's features, a draft
+    vocabulary of 11,729 ids) trained on this package's recipe (``python -m specdec_kernels
+    train-draft``: on documentation tasks, then fine-tuned on those and open requests; see
     docs/drafters.md): no download, the weights are in the package.
 
     Args:
