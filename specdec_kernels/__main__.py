@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEMO_PROMPTS = (
     "Rewrite this Python function with type hints, keeping the body unchanged:\n\n"
@@ -349,12 +350,29 @@ def run_train_draft(args: argparse.Namespace) -> int:
     if args.lr is not None and not args.lr > 0:
         print(f"train-draft: --lr must be > 0, got {args.lr}", file=sys.stderr)
         return 2
+    refused = [(flag, why) for flag, given, why in (
+        ("--init", args.init is not None and args.stage in ("prompts", "data"), f"--stage {args.stage}"),
+        ("--lr", args.lr is not None and args.stage in ("prompts", "data"), f"--stage {args.stage}"),
+        ("--prompt-kinds", args.prompt_kinds is not None and args.stage == "train", "--stage train"),
+        ("--prompt-kinds", args.prompt_kinds is not None and args.prompts_file is not None and args.stage != "prompts",
+         "--prompts-file (its prompts are answered as they are)"),
+    ) if given]
+    if refused:
+        flag, why = refused[0]
+        print(f"train-draft: {flag} does nothing with {why}", file=sys.stderr)
+        return 2
+    kinds = tuple(args.prompt_kinds or ("documents", "open"))
+    if len(set(kinds)) != len(kinds):
+        print(f"train-draft: --prompt-kinds must not repeat a kind, got {' '.join(kinds)}", file=sys.stderr)
+        return 2
     init = args.init
     if init == "shipped":
         if args.head != "feature":
             print("train-draft: --init shipped is the feature head: pass --head feature", file=sys.stderr)
             return 2
         init = str(SMOLLM2_DRAFT_HEAD)
+    elif init is not None:  # recorded in the checkpoint: the same file from any directory
+        init = str(Path(init).resolve())
     options = (("steps", args.steps), ("exit_layer", args.exit_layer), ("lr", args.lr), ("init", init))
     settings = TrainSettings(head=args.head, **{name: value for name, value in options if value is not None})
     log = lambda line: print(time.strftime("%H:%M:%S"), line, flush=True)
@@ -362,7 +380,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
         path = train_draft(target=args.target, head=args.head, data_dir=args.data_dir, out_dir=args.out_dir,
                            stage=args.stage, max_minutes=args.minutes, settings=settings, num_prompts=args.prompts,
                            device=args.device, prompts_file=args.prompts_file,
-                           data_batch_size=args.data_batch_size, prompt_kinds=tuple(args.prompt_kinds), log=log)
+                           data_batch_size=args.data_batch_size, prompt_kinds=kinds, log=log)
     except (ModelNotInstalledError, FileNotFoundError, ValueError) as e:
         print(f"train-draft: {e}", file=sys.stderr)
         return 2
@@ -457,7 +475,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     train.add_argument("--prompts-file", default=None, metavar="F",
                        help="the data stage answers the prompts in F (written by --stage prompts, e.g. on "
                             "another machine) (default: build them from text on this machine)")
-    train.add_argument("--prompt-kinds", nargs="+", choices=("documents", "open"), default=["documents", "open"],
+    train.add_argument("--prompt-kinds", nargs="+", choices=("documents", "open"), default=None,
                        metavar="KIND", help="documents (tasks over this machine's documentation, packages and "
                                             "code), open (questions, stories, advice) (default: both)")
     train.add_argument("--data-batch-size", type=int, default=32, metavar="B",

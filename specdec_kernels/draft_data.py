@@ -1,16 +1,21 @@
-"""Training data for draft heads: prompts built from text on this machine, answered by the target.
+"""Training data for draft heads: prompts built from text on this machine and a list of everyday
+topics, answered by the target.
 
 A draft head learns to predict what the *target* says, not what a corpus says (self-distillation):
 so the data is the target's own answers (greedy and sampled) to prompts built from text every
-Debian-like machine with Python carries, and the target's features and top logits at every position.
+Debian-like machine with Python carries and from a built-in topic list, and the target's features
+and top logits at every position.
 No model hub and no download.
 
-Prompts (`build_prompts`) are tasks over
+Prompts (`build_prompts`) are of two kinds. The *documents* kind is tasks over
 - the Python standard library: explain a function from its docstring; add type hints or a
   docstring to a short function, keeping its body (copy-heavy, as code editing is);
 - the installed Debian packages (``/var/lib/dpkg/status``): explain, introduce, list uses;
 - documentation text (``/usr/share/doc``): summarize, rewrite, list key points;
 - lists (module and package names): copy, number, sort, annotate.
+
+The *open* kind is requests of the kinds users write to a chat model (explain, tell a story,
+write a poem or an email, give tips) over a list of everyday topics (`OPEN_TOPICS`).
 
 A stable hash puts one prompt in twenty in the held-out set, which training never reads.
 

@@ -49,16 +49,18 @@ class TrainSettings:
         unroll: training-time test steps (1: the head reads true features only).
         step_decay: weight of unrolled step k is ``step_decay ** (k - 1)``.
         feature_weight: weight of the feature loss against the distillation loss.
-        draft_vocab_size: ids in the draft vocabulary (the most frequent answer tokens).
-        seed: seeds the head's initial weights and the batch order.
+        draft_vocab_size: ids in the draft vocabulary (the most frequent answer tokens; with
+            ``init``, how many of the most frequent the file's vocabulary is extended by).
+        seed: seeds the head's initial weights (without ``init``) and the batch order.
         checkpoint_every: steps between checkpoints.
         head: ``"feature"`` (`FeatureHead`) or ``"early-exit"`` (`ExitHead`; ``unroll``,
             ``step_decay`` and ``feature_weight`` do not apply to it).
         exit_layer: the target layers an ``"early-exit"`` head runs.
         init: a head file of this kind whose weights training starts from (fine-tuning it); empty:
-            fresh weights. Its draft vocabulary gains the data's ``draft_vocab_size`` most
-            frequent ids it lacks (the head's weights do not depend on the vocabulary: it drafts
-            from the target's LM-head rows), so text of a new kind can be drafted.
+            fresh weights. Its draft vocabulary gains those of the data's ``draft_vocab_size``
+            most frequent ids that it lacks and the data holds (the head's weights do not depend
+            on the vocabulary: it drafts from the target's LM-head rows), so text of a new kind
+            can be drafted. Read when training starts, not when it resumes.
     """
 
     steps: int = 4000
@@ -99,14 +101,16 @@ def load_sequences(paths: list[Path]) -> list[_Sequence]:
     return sequences
 
 
-def draft_vocabulary(sequences: list[_Sequence], size: int, vocab_size: int) -> torch.Tensor:
+def draft_vocabulary(sequences: list[_Sequence], size: int, vocab_size: int, *, seen_only: bool = False
+                     ) -> torch.Tensor:
     """[size] int64: the ids the target produces most often in the answers (its argmax at each
-    answer position and the answer tokens), most frequent first."""
+    answer position and the answer tokens), most frequent first; with ``seen_only``, fewer when
+    fewer ids occur."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for s in sequences:
         counts += torch.bincount(s.token_ids[s.prompt_length:], minlength=vocab_size)
         counts += torch.bincount(s.top_ids[s.prompt_length - 1:, 0], minlength=vocab_size)
-    size = min(size, vocab_size)
+    size = min(size, int((counts > 0).sum()) if seen_only else vocab_size)
     return counts.argsort(descending=True, stable=True)[:size].clone()
 
 
@@ -353,9 +357,12 @@ def _initial_head(target: Llama, settings: TrainSettings, frequent: torch.Tensor
     drafting from its own ids and then the ``frequent`` ids it lacks."""
     loaded = (FeatureHead.load(settings.init) if settings.head == "feature" else ExitHead.load(settings.init))
     if isinstance(loaded, ExitHead) and loaded.exit_layer != settings.exit_layer:
-        raise ValueError(f"{settings.init} exits after layer {loaded.exit_layer}, but "
+        raise ValueError(f"init head {settings.init} exits after layer {loaded.exit_layer}, but "
                          f"exit_layer={settings.exit_layer}: pass the same")
-    _check_head_fits(target, loaded)
+    try:
+        _check_head_fits(target, loaded)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"init head {settings.init}: {e}") from e
     vocabulary = torch.cat([loaded.draft_vocab, frequent[~torch.isin(frequent, loaded.draft_vocab)]])
     head = _blank_head(target, settings.head, settings.exit_layer, vocabulary)
     head.load_state_dict({**loaded.state_dict(), "draft_vocab": vocabulary})
@@ -427,7 +434,8 @@ def train_head(target: Llama, sequences: list[_Sequence], folder: str | os.PathL
         head.load_state_dict(state["head"])
         step = state["step"]
     else:
-        vocabulary = draft_vocabulary(sequences, settings.draft_vocab_size, target.vocab_size)
+        vocabulary = draft_vocabulary(sequences, settings.draft_vocab_size, target.vocab_size,
+                                      seen_only=bool(settings.init))
         head = (_initial_head(target, settings, vocabulary) if settings.init else
                 new_head(target, vocabulary, settings.seed, kind=settings.head, exit_layer=settings.exit_layer))
         step, state = 0, None
@@ -548,11 +556,13 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     settings = settings or TrainSettings(head=head)
     if settings.head != head:
         raise ValueError(f"head={head!r} but settings.head={settings.head!r}: pass the same kind")
-    if settings.init and stage in ("train", "all"):  # a bad head file is named before the model loads
-        (FeatureHead if head == "feature" else ExitHead).load(settings.init)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = Path(data_dir) if data_dir is not None else cache_dir() / f"draft-data-{target}"
     out_dir = Path(out_dir) if out_dir is not None else cache_dir() / f"draft-{head}-{target}"
+    # The head to fine-tune is read when training starts (a resumed run has it in its checkpoint).
+    starting = bool(settings.init) and stage in ("train", "all") and not (out_dir / "checkpoint.pt").exists()
+    if starting:  # a bad head file is named before the model loads
+        (FeatureHead if head == "feature" else ExitHead).load(settings.init)
     deadline = None if max_minutes is None else time.perf_counter() + 60 * max_minutes
     left = lambda: None if deadline is None else max(0.0, deadline - time.perf_counter())
     max_shards = None if num_prompts is None else -(-num_prompts // 64)
@@ -562,6 +572,8 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     depth = model.config.num_hidden_layers
     if settings.head == "early-exit" and not 1 <= settings.exit_layer < depth:
         raise ValueError(f"exit_layer must be in [1, {depth - 1}] for {target}, got {settings.exit_layer}")
+    if starting:  # and one that does not fit the target, before the data stage
+        _initial_head(model, settings, torch.zeros(0, dtype=torch.int64))
     if stage in ("data", "all"):
         if device == "cpu" and model.can_pack_weights():
             model.pack_weights()

@@ -350,17 +350,27 @@ def test_a_run_from_a_head_file_fine_tunes_that_head(target, tmp_path):
     assert torch.equal(tuned.draft_vocab, trained.draft_vocab)
     scores = [evaluate(target, head, sequences, unroll=2)["top1_step1"] for head in (trained, tuned, fresh)]
     assert scores[1] == pytest.approx(scores[0], abs=0.02) and scores[1] > scores[2] + 0.2
-    # A head of other ids keeps them, in its order, and gains the data's most frequent ones.
-    rare = torch.tensor([i for i in range(V) if i not in set(trained.draft_vocab.tolist())][:5] +
-                        trained.draft_vocab[:3].tolist())
+    # A head of other ids keeps them, in its order, and gains the data's most frequent ones, only
+    # those the data holds (these shards hold fewer than 64 distinct ids).
+    seen = draft_vocabulary(sequences, 64, V, seen_only=True)
+    assert 8 < len(seen) < 64 and torch.equal(seen, trained.draft_vocab[:len(seen)])
+    rare = torch.tensor([i for i in range(V) if i not in set(seen.tolist())][:5] + seen[:3].tolist())
     new_head(target, rare, 0).save(tmp_path / "rare.pt", dtype=torch.float32)
     grown = once("grown", init=str(tmp_path / "rare.pt"))
-    assert torch.equal(grown.draft_vocab, torch.cat([rare, trained.draft_vocab[3:]]))
+    assert torch.equal(grown.draft_vocab, torch.cat([rare, seen[3:]]))
+    # A fine-tune resumed from its checkpoint ends where an uninterrupted one does, without the file.
+    tune = TrainSettings(**{**settings.__dict__, "steps": 4, "checkpoint_every": 2, "init": str(tmp_path / "rare.pt")})
+    straight = train_head(target, sequences, tmp_path / "straight", tune, log=lambda _: None)
+    train_head(target, sequences, tmp_path / "pieces", tune, max_seconds=0.0, log=lambda _: None)
+    (tmp_path / "rare.pt").rename(tmp_path / "moved.pt")
+    resumed = train_head(target, sequences, tmp_path / "pieces", tune, log=lambda _: None)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
     exit_head = new_head(target, trained.draft_vocab, 0, kind="early-exit", exit_layer=1)
     exit_head.save(tmp_path / "exit.pt")
     with pytest.raises(ValueError, match="not a draft head of kind 'feature'"):
         once("bad", init=str(tmp_path / "exit.pt"))
-    with pytest.raises(ValueError, match="exits after layer 1, but exit_layer=2"):
+    with pytest.raises(ValueError, match="init head .*exit.pt exits after layer 1, but exit_layer=2"):
         once("bad2", head="early-exit", exit_layer=2, init=str(tmp_path / "exit.pt"))
 
 
@@ -418,13 +428,14 @@ def test_held_out_prompts_are_never_training_prompts():
 def test_prompt_kinds_alternate_and_keep_the_documents_order():
     from specdec_kernels.draft_data import OPEN_TEMPLATES, OPEN_TOPICS, build_prompts
 
-    documents, open_ = build_prompts(kinds=("documents",)), build_prompts(kinds=("open",))
-    assert build_prompts(kinds=("open", "documents")) == build_prompts()
+    documents, open_, both = build_prompts(kinds=("documents",)), build_prompts(kinds=("open",)), build_prompts()
+    assert build_prompts(kinds=("open", "documents")) == both
     assert len(open_[0]) + len(open_[1]) == len(OPEN_TOPICS) * len(OPEN_TEMPLATES)
     assert not set(open_[0] + open_[1]) & set(documents[0] + documents[1])
-    train, held_out = build_prompts()
+    train, held_out = both
     # Each kind keeps its own order; a prefix holds as many of each while both last.
-    kinds = [p in set(open_[0]) for p in train]
+    open_set = set(open_[0])
+    kinds = [p in open_set for p in train]
     assert [p for p, o in zip(train, kinds, strict=True) if o] == open_[0]
     assert [p for p, o in zip(train, kinds, strict=True) if not o] == documents[0]
     assert abs(sum(kinds[:1024]) - 512) <= 32
@@ -465,6 +476,9 @@ def test_train_draft_writes_this_machines_prompts_for_another(tmp_path, capsys):
     assert main(["train-draft", "--stage", "prompts", "--prompts-file", str(tmp_path / "p.json.gz")]) == 0
     assert load_prompts(tmp_path / "p.json.gz") == build_prompts()
     assert "prompts written to" in capsys.readouterr().out
+    assert main(["train-draft", "--stage", "prompts", "--prompt-kinds", "open",
+                 "--prompts-file", str(tmp_path / "open.json")]) == 0
+    assert load_prompts(tmp_path / "open.json") == build_prompts(kinds=("open",))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -479,7 +493,13 @@ def test_train_draft_writes_this_machines_prompts_for_another(tmp_path, capsys):
     (["--head", "early-exit", "--init", "shipped"], "--init shipped is the feature head"),
     (["--stage", "train", "--init", "/nonexistent/head.pt"], "no draft head file at /nonexistent/head.pt"),
     (["--prompt-kinds", "open", "open", "--stage", "prompts", "--prompts-file", "/nonexistent/p.json"],
-     "kinds must be a non-empty subset"),
+     "--prompt-kinds must not repeat a kind, got open open"),
+    (["--stage", "data", "--init", "shipped"], "--init does nothing with --stage data"),
+    (["--stage", "prompts", "--prompts-file", "/nonexistent/p.json", "--lr", "1e-4"],
+     "--lr does nothing with --stage prompts"),
+    (["--stage", "train", "--prompt-kinds", "open"], "--prompt-kinds does nothing with --stage train"),
+    (["--prompts-file", "/nonexistent/p.json", "--prompt-kinds", "open"],
+     "--prompt-kinds does nothing with --prompts-file"),
 ])
 def test_train_draft_refuses_bad_options(capsys, argv, message):
     from specdec_kernels.__main__ import main
@@ -734,7 +754,7 @@ def test_a_feature_checkpoint_from_before_the_exit_head_fields_resumes(target, t
                log=lambda _: None)
     path = tmp_path / "run" / "checkpoint.pt"
     state = torch.load(path, weights_only=True)
-    state["settings"] = {k: v for k, v in settings.__dict__.items() if k not in ("head", "exit_layer")}
+    state["settings"] = {k: v for k, v in settings.__dict__.items() if k not in ("head", "exit_layer", "init")}
     torch.save(state, path)
     train_head(target, sequences, tmp_path / "run", settings, log=lambda _: None)
     assert torch.load(path, weights_only=True)["step"] == 2
