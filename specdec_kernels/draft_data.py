@@ -208,13 +208,14 @@ PROMPT_KINDS = ("documents", "open")
 
 
 def build_prompts(seed: int = 0, kinds: tuple[str, ...] = PROMPT_KINDS) -> tuple[list[str], list[str]]:
-    """The training and held-out prompts, built from text on this machine, in a fixed shuffled order.
+    """The training and held-out prompts, built from text on this machine and `OPEN_TOPICS`, in a
+    fixed shuffled order.
 
     Two kinds: ``"documents"``, tasks over the standard library, the installed packages, the
     documentation and lists (copy-heavy: summarize, rewrite, explain, annotate), and ``"open"``,
     requests of the kinds users write (questions, stories, advice, letters over `OPEN_TOPICS`).
-    With both, the lists alternate one prompt of each kind while both last, so that any prefix
-    (``train-draft --prompts N``) holds as many of each.
+    With both, the lists alternate one prompt of each kind while both last (the open kind has
+    1,050), so that a prefix (``train-draft --prompts N``) holds as many of each.
 
     The same machine, seed and kinds give the same lists; the held-out prompts are those
     `is_held_out` picks, so a prompt is never in both.

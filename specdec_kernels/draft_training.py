@@ -500,11 +500,11 @@ def train_draft(*, target: str = "smollm2", head: str = "feature", data_dir: str
     ``stage="prompts"`` only writes this machine's prompts to ``prompts_file``, for a GPU machine
     to answer and train on.
 
-    Data: `build_prompts` on this machine, of ``prompt_kinds`` (or the lists in ``prompts_file``); held-out shards first
-    (``data_dir/held-out``, never trained on), then training shards (``data_dir``). Training reads
-    every training shard on disk when the piece starts and checkpoints in ``out_dir``; when
-    ``settings.steps`` are done it writes ``out_dir/head.pt`` (float16) and logs the held-out
-    top-1 agreement per draft position.
+    Data: `build_prompts` on this machine, of ``prompt_kinds`` (or the lists in ``prompts_file``);
+    held-out shards first (``data_dir/held-out``, never trained on), then training shards
+    (``data_dir``). Training reads every training shard on disk when the piece starts and
+    checkpoints in ``out_dir``; when ``settings.steps`` are done it writes ``out_dir/head.pt``
+    (float16) and logs the held-out top-1 agreement per draft position.
 
     Args:
         target: ``"smollm2"`` (SmolLM2-135M-Instruct, `load_smollm2`).
