@@ -54,7 +54,7 @@ def describe_environment() -> str:
 
     from specdec_kernels import __version__
     from specdec_kernels._backend import OPS, auto_backend, interpreter_enabled, triton_available
-    from specdec_kernels.matmul import FORMS, PACKED_FORMS
+    from specdec_kernels.matmul import FORMS, PACKED_FORMS, bfloat16_matmuls_available
 
     if triton_available():
         import triton
@@ -75,6 +75,8 @@ def describe_environment() -> str:
         lines.append(f"  {op:26} " + ", ".join(f"{d} -> {auto_backend(d)}" for d in devices))
     forms = [name for name in FORMS if name not in PACKED_FORMS or PACKED_FORMS[name].available()]
     lines.append(f"CPU matmul forms Llama.pack_weights times: {', '.join(forms)}")
+    lines.append("draft heads' matmuls on a CPU float32 target: "
+                 + ("bfloat16 (native here)" if bfloat16_matmuls_available() else "float32 (no native bfloat16 here)"))
     return "\n".join(lines)
 
 

@@ -35,7 +35,7 @@ from ._checks import is_int
 from .cache import KVCache
 from .config import LlamaConfig
 from .drafts import DraftProposal, EarlyExitDraft, _tighter
-from .matmul import Linear
+from .matmul import BFLOAT16_PLAN, Linear, MatmulPlan, bfloat16_matmuls_available
 from .model import Block, FeedForward, Llama, RMSNorm
 
 HEAD_FORMAT = 1  # version of the file layout `FeatureHead.save` and `ExitHead.save` write
@@ -179,6 +179,25 @@ def _check_head_fits(target, head: FeatureHead | ExitHead) -> None:
         raise ValueError(f"the head was trained for another target: (head, target) differ in {diff}")
 
 
+def _head_plan(target: Llama, matmul_dtype: torch.dtype | None) -> MatmulPlan | None:
+    """The plan of a head's own matmuls (its layer or adapter, ``fc``, its LM head) for
+    ``matmul_dtype`` (see `FeatureHeadDraft`): `BFLOAT16_PLAN` for bfloat16, else the target's
+    plan (None: unpacked)."""
+    weight = target.output.weight
+    cpu_float32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+    if matmul_dtype is None:
+        matmul_dtype = torch.bfloat16 if cpu_float32 and bfloat16_matmuls_available() else weight.dtype
+    if matmul_dtype == weight.dtype:
+        return getattr(target.output, "plan", None)
+    if matmul_dtype != torch.bfloat16 or not cpu_float32:
+        raise ValueError(f"matmul_dtype must be None, the target's dtype ({weight.dtype}) or torch.bfloat16 for a "
+                         f"CPU float32 target, got {matmul_dtype!r} for a {weight.dtype} target on {weight.device}")
+    if not bfloat16_matmuls_available():
+        raise RuntimeError("matmul_dtype=torch.bfloat16 needs oneDNN's native bfloat16 matmul (a CPU with "
+                           "AVX-512 BF16 or AMX), which this machine or torch build lacks")
+    return BFLOAT16_PLAN
+
+
 def _draft_model(target: Llama, layers: list[nn.Module], vocab: torch.Tensor) -> Llama:
     """``layers`` as a `Llama` over the target's embedding and final norm, with an LM head of the
     rows ``vocab`` of the target's (a copy: the target may lay out its own weight otherwise)."""
@@ -233,14 +252,24 @@ class FeatureHeadDraft:
 
     Args:
         target: the built-in `Llama` the head was trained for.
-        head: the trained `FeatureHead`, moved in place to the target's device and dtype; when
-            the target's weights are packed (`Llama.pack_weights`) at construction, the head's
-            are packed with the same plan (read once: a later change of the target's is not
-            followed).
+        head: the trained `FeatureHead`, moved in place to the target's device and dtype, its
+            matmuls set up in place for ``matmul_dtype`` (a head shared by two drafters runs as
+            the later one set it up).
         branches: 1 for a chain (each token sampled with the run's ``sample``, its draft logits
             given to the verifier), or the children per expanded node of a tree.
         depth: a tree's levels (one head forward each; the first reads the committed pairs),
             capped by ``num_tokens``; None: `DEFAULT_TREE_DEPTH`. Ignored for a chain.
+        matmul_dtype: the dtype the head's matmuls (its layer, ``fc`` and LM head) read their
+            weights in. ``torch.bfloat16`` (CPU float32 targets): copies of those weights in
+            bfloat16, in oneDNN's layout (`specdec_kernels.matmul.BFLOAT16_PLAN`); inputs,
+            outputs, the head's cache and everything else stay float32. Drafting reads half the
+            bytes and costs about a fifth less on a 2-core CPU (docs/performance.md); the draft
+            logits move in their third significant digit, which verification takes as they
+            are: outputs stay the target's (greedy) or distributed as the target's (sampling).
+            The target's dtype: the head computes as the target does (on a packed target, with
+            its plan). None (default): bfloat16 where the CPU computes it natively
+            (`specdec_kernels.matmul.bfloat16_matmuls_available`) and the target is CPU
+            float32, else the target's dtype.
 
     Example::
 
@@ -252,7 +281,8 @@ class FeatureHeadDraft:
 
     needs_target_hidden = needs_committed_bound = True
 
-    def __init__(self, target, head: FeatureHead, *, branches: int = 1, depth: int | None = None) -> None:
+    def __init__(self, target, head: FeatureHead, *, branches: int = 1, depth: int | None = None,
+                 matmul_dtype: torch.dtype | None = None) -> None:
         if not is_int(branches) or branches < 1:
             raise ValueError(f"branches must be an int >= 1, got {branches!r}")
         if depth is not None and (not is_int(depth) or depth < 1):
@@ -266,14 +296,13 @@ class FeatureHeadDraft:
             raise ValueError("token trees from a head need attention without a sliding window (the target has "
                              f"sliding_window={target.config.sliding_window}); use branches=1")
         self.branches, self.depth = int(branches), DEFAULT_TREE_DEPTH if depth is None else int(depth)
+        plan = _head_plan(target, matmul_dtype)
         weight = target.output.weight
         self.target, self.head = target, head.to(device=weight.device, dtype=weight.dtype).eval()
         self.model = _draft_model(target, [self.head.layer], self.head.draft_vocab)
         self.vocab = self.head.draft_vocab
-        plan = getattr(target.output, "plan", None)
-        if plan is not None:  # a packed target: the head's matmuls take the same forms
-            self.model.pack_weights(plan=plan)
-            self.head.fc.pack(plan)
+        for module in (self.head.fc, *(m for m in self.model.modules() if isinstance(m, Linear))):
+            module.unpack() if plan is None else module.pack(plan)
 
     def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int, *,
                 hidden_states: torch.Tensor) -> None:
@@ -423,9 +452,11 @@ class ExitHeadDraft(EarlyExitDraft):
     Args:
         target: the built-in `Llama` the head was trained for (the same object is the target of
             ``speculative_generate``).
-        head: the trained `ExitHead`, moved in place to the target's device and dtype; on a
-            packed target its matmuls take the target's plan.
+        head: the trained `ExitHead`, moved in place to the target's device and dtype.
         cuda_graphs: replay the draft's one-token forwards as CUDA graphs, as in `generate`.
+        matmul_dtype: the dtype the adapter's and LM head's matmuls read their weights in, as
+            for `FeatureHeadDraft` (default: bfloat16 on a CPU float32 target where the CPU
+            computes it natively); the target's first layers always run as the target's.
 
     Example::
 
@@ -433,10 +464,12 @@ class ExitHeadDraft(EarlyExitDraft):
         out = speculative_generate(target, ExitHeadDraft(target, head), input_ids, max_new_tokens=64)
     """
 
-    def __init__(self, target, head: ExitHead, *, cuda_graphs: bool | None = None) -> None:
+    def __init__(self, target, head: ExitHead, *, cuda_graphs: bool | None = None,
+                 matmul_dtype: torch.dtype | None = None) -> None:
         if not isinstance(head, ExitHead):
             raise TypeError(f"head must be an ExitHead, got {type(head).__name__}")
         _check_head_fits(target, head)
+        plan = _head_plan(target, matmul_dtype)
         super().__init__(target, head.exit_layer, cuda_graphs=cuda_graphs)
         weight = target.output.weight
         self.head = head.to(device=weight.device, dtype=weight.dtype).eval()
@@ -444,10 +477,8 @@ class ExitHeadDraft(EarlyExitDraft):
         self.model = _draft_model(target, [*target.layers[:head.exit_layer], _Adapter(self.head)],
                                   self.head.draft_vocab)
         self.vocab, self.vocab_size = self.head.draft_vocab, target.vocab_size
-        plan = getattr(target.output, "plan", None)
-        if plan is not None:  # a packed target: the head's matmuls take the same forms
-            for module in (self.model.output, self.head.adapter.w13, self.head.adapter.w2):
-                module.pack(plan)
+        for module in (self.model.output, self.head.adapter.w13, self.head.adapter.w2):
+            module.unpack() if plan is None else module.pack(plan)
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         return _full_vocab(logits, self.vocab, self.vocab_size)

@@ -18,6 +18,11 @@ machine (its BLAS kernels, threads and memory): on one 2-core x86 VM MKL's packe
 and returns a `MatmulPlan` (a weight layout, and a form per row count); `Linear` follows it once
 `Llama.pack_weights` has applied it. Without a plan, `linear` picks by row count alone.
 
+A fifth form, ``"onednn_bfloat16"`` (`ROUNDED_FORMS`), reads a bfloat16 copy of the weight: half
+the bytes, so faster where a matmul streams its weight from memory, but not the same product. No
+measured plan holds it; `BFLOAT16_PLAN` applies it to a draft model, whose proposals
+verification judges whatever they are (`FeatureHeadDraft`).
+
 A plan serves the rest of the process, so what else the machine did while it was measured must
 not decide it. While another process holds a core, every multi-threaded call waits for a
 descheduled worker thread, a scheduler tick at a time: the timings then rank the forms by how
@@ -141,6 +146,40 @@ PACKED_FORMS = {"mkl_packed": _PackedForm(mkl_packing_available, mkl_pack, mkl_p
 FORMS = ("linear", "weight_first", *PACKED_FORMS)
 
 
+def bfloat16_matmuls_available() -> bool:
+    """Whether this CPU and torch build run oneDNN's bfloat16 matmul natively (AVX-512 BF16 or
+    AMX): the ``"onednn_bfloat16"`` form."""
+    is_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return onednn_packing_available() and is_supported is not None and bool(is_supported())
+
+
+def onednn_bfloat16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a CPU float32 ``weight`` [out, in], rounded to bfloat16 (an
+    opaque tensor, as `onednn_pack`'s)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), _PACK_ROWS)
+
+
+def onednn_bfloat16_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` from ``packed = onednn_bfloat16_pack(weight)`` for CPU float32 ``x``
+    [..., in]: ``x`` rounded to bfloat16, products summed in float32 and rounded to bfloat16,
+    returned as float32 (equal to ``F.linear(x.bfloat16(), weight.bfloat16()).float()``)."""
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").to(x.dtype)
+
+
+#: Forms that round to bfloat16: half the bytes of a float32 weight, products off from float32's
+#: in their third significant digit. Never measured into a plan (a model's outputs must not
+#: depend on which form won); a draft takes them by choice (`BFLOAT16_PLAN`), since verification
+#: judges whatever it proposes.
+ROUNDED_FORMS = {"onednn_bfloat16": _PackedForm(bfloat16_matmuls_available, onednn_bfloat16_pack,
+                                                onednn_bfloat16_linear)}
+
+
+def _copied_form(name: str) -> _PackedForm:
+    """The form ``name`` of `PACKED_FORMS` or `ROUNDED_FORMS` (read at each call, as tests
+    replace their entries)."""
+    return PACKED_FORMS[name] if name in PACKED_FORMS else ROUNDED_FORMS[name]
+
+
 @dataclass(frozen=True)
 class MatmulPlan:
     """How a prepared `Linear` computes ``x @ weight.T`` on the CPU in float32.
@@ -169,8 +208,8 @@ class MatmulPlan:
             raise ValueError(f"forms must be (min_rows, form) pairs with strictly ascending int min_rows "
                              f"starting at 1, got {self.forms!r}")
         for _, form in self.forms:
-            if form not in FORMS:
-                raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+            if form not in FORMS and form not in ROUNDED_FORMS:
+                raise ValueError(f"form must be one of {(*FORMS, *ROUNDED_FORMS)}, got {form!r}")
 
     def form(self, rows: int) -> str:
         """The form that runs inputs of ``rows`` rows."""
@@ -183,8 +222,9 @@ class MatmulPlan:
 
     @property
     def packed_forms(self) -> tuple[str, ...]:
-        """The forms of `PACKED_FORMS` this plan runs (each keeps a packed copy of the weights)."""
-        return tuple(dict.fromkeys(form for _, form in self.forms if form in PACKED_FORMS))
+        """The forms of `PACKED_FORMS` and `ROUNDED_FORMS` this plan runs (each keeps a packed
+        copy of the weights)."""
+        return tuple(dict.fromkeys(form for _, form in self.forms if form in PACKED_FORMS or form in ROUNDED_FORMS))
 
     def describe(self) -> str:
         """One line, e.g. ``"row-major weights; 1 row: weight_first, 65+ rows: linear"``."""
@@ -199,6 +239,9 @@ class MatmulPlan:
 #: MKL's packed GEMM from 2 rows on, one row by ``F.linear`` from an input-major weight: what an
 #: Intel Xeon's measurements favoured (``docs/performance.md``).
 MKL_PACKED_PLAN = MatmulPlan(input_major=True, forms=((1, "linear"), (2, "mkl_packed")))
+
+#: oneDNN's bfloat16 matmul at every row count (`ROUNDED_FORMS`): for drafts, not exact.
+BFLOAT16_PLAN = MatmulPlan(input_major=False, forms=((1, "onednn_bfloat16"),))
 
 # Row counts `measure_matmul_plan` times (decoding batches, verification widths: every count to 6,
 # since a batch-1 verification of K + 1 tokens runs one of them each step and a count between two
@@ -492,12 +535,12 @@ class Linear(nn.Linear):
     def check_packable(self, plan: MatmulPlan | None = None) -> None:
         """Raise unless `pack` can apply ``plan`` (None: any plan without packed forms) to this
         weight: ValueError for a weight that is not CPU float32, RuntimeError for a packed form
-        this torch build lacks."""
+        this torch build (or, for a rounded form, this CPU) lacks."""
         weight = self.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise ValueError(f"packing needs a CPU float32 weight, got {weight.dtype} on {weight.device}")
         for form in plan.packed_forms if plan is not None else ():
-            if not PACKED_FORMS[form].available():
+            if not _copied_form(form).available():
                 raise RuntimeError(f"the {form!r} form is not available in this torch build")
 
     def pack(self, plan: MatmulPlan = MKL_PACKED_PLAN) -> None:
@@ -509,7 +552,7 @@ class Linear(nn.Linear):
         self.plan = plan
         _store_weight(self.weight, input_major=plan.input_major)
         identity, weight = _weight_identity(self.weight), self.weight.detach()
-        self._packed = {form: (identity, weight, PACKED_FORMS[form].pack(weight)) for form in plan.packed_forms}
+        self._packed = {form: (identity, weight, _copied_form(form).pack(weight)) for form in plan.packed_forms}
 
     def unpack(self) -> None:
         """Drop the plan (and any packed copy) and store the weight row-major: every input is then
@@ -532,7 +575,7 @@ class Linear(nn.Linear):
         if packed is None or packed[0] != _weight_identity(weight):  # new, replaced or changed
             self.pack(plan)
             packed = self._packed[form]
-        return PACKED_FORMS[form].run(x, packed[2], weight)
+        return _copied_form(form).run(x, packed[2], weight)
 
     def _apply(self, fn, recurse=True):
         # ``.to()``, ``.cuda()``, ``.half()``...: the copies would pin the old weight; pack anew at next use.
@@ -548,5 +591,5 @@ class Linear(nn.Linear):
             state = {**state, "_packed": {}}
             state["plan"] = MKL_PACKED_PLAN if state.pop("packing", False) else None
         super().__setstate__(state)
-        if self.plan is not None and not all(PACKED_FORMS[f].available() for f in self.plan.packed_forms):
+        if self.plan is not None and not all(_copied_form(f).available() for f in self.plan.packed_forms):
             self.unpack()  # unpickled where torch lacks a packed form of the plan

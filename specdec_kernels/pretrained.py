@@ -380,7 +380,8 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | s
 SMOLLM2_DRAFT_HEAD = Path(__file__).parent / "heads" / "smollm2-feature.pt"
 
 
-def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = None):
+def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = None,
+                       matmul_dtype: torch.dtype | None = None):
     """The draft head shipped for SmolLM2-135M-Instruct, as a drafter for ``target``.
 
     An EAGLE-style `FeatureHead` (one decoder layer over the target's features, a draft
@@ -392,6 +393,8 @@ def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = 
         target: SmolLM2-135M-Instruct as `load_smollm2` returns it (any dtype and device).
         branches, depth: 1 for chains, or the shape of the token trees it drafts
             (`FeatureHeadDraft`).
+        matmul_dtype: the dtype the head's matmuls read their weights in (`FeatureHeadDraft`;
+            default: bfloat16 on a CPU float32 target where the CPU computes it natively).
 
     Returns:
         A `FeatureHeadDraft` for `speculative_generate`.
@@ -410,5 +413,6 @@ def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = 
 
     if not SMOLLM2_DRAFT_HEAD.is_file():
         raise FileNotFoundError(f"the SmolLM2 draft head is missing from this installation: {SMOLLM2_DRAFT_HEAD}")
-    return FeatureHeadDraft(target, FeatureHead.load(SMOLLM2_DRAFT_HEAD), branches=branches, depth=depth)
+    return FeatureHeadDraft(target, FeatureHead.load(SMOLLM2_DRAFT_HEAD), branches=branches, depth=depth,
+                            matmul_dtype=matmul_dtype)
 

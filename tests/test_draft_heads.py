@@ -25,7 +25,7 @@ from specdec_kernels.draft_training import (
     new_head,
     train_head,
 )
-from specdec_kernels.matmul import mkl_packing_available
+from specdec_kernels.matmul import BFLOAT16_PLAN, Linear, bfloat16_matmuls_available, mkl_packing_available
 
 from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
 
@@ -510,20 +510,92 @@ def test_train_draft_refuses_bad_options(capsys, argv, message):
 
 @pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
 def test_a_head_on_a_packed_target_drafts_as_unpacked(target):
-    """A packed target's plan is applied to the head's matmuls: the same drafts, to rounding."""
+    """With the target's dtype, a packed target's plan is applied to the head's matmuls: the
+    same drafts, to rounding."""
     import copy
 
     from specdec_kernels.matmul import MKL_PACKED_PLAN
 
     packed = copy.deepcopy(target).pack_weights(plan=MKL_PACKED_PLAN)
     input_ids, mask = ragged_prompts(B=3, P=6, seed=5)
-    drafters = [FeatureHeadDraft(t, random_head(target, 50, seed=2, scale=3.0)) for t in (target, packed)]
+    drafters = [FeatureHeadDraft(t, random_head(target, 50, seed=2, scale=3.0), matmul_dtype=torch.float32)
+                for t in (target, packed)]
     assert drafters[1].head.fc.plan is MKL_PACKED_PLAN and drafters[1].model.output.plan is MKL_PACKED_PLAN
     assert drafters[1].model.layers[0].attention.wqkv.plan is MKL_PACKED_PLAN and drafters[0].head.fc.plan is None
     outs = [speculative_generate(t, d, input_ids, mask, num_draft_tokens=3, max_new_tokens=10, temperature=0,
                                  adaptive=False) for t, d in zip((target, packed), drafters, strict=True)]
     assert torch.equal(outs[0].tokens, outs[1].tokens)
     assert torch.equal(outs[0].stats.num_accepted, outs[1].stats.num_accepted)
+
+
+needs_bfloat16 = pytest.mark.skipif(not bfloat16_matmuls_available(), reason="no native bfloat16 matmul here")
+
+
+def _head_linears(drafter) -> list:
+    return [drafter.head.fc, *(m for m in drafter.model.modules() if isinstance(m, Linear))]
+
+
+@needs_bfloat16
+def test_a_head_drafts_in_bfloat16_by_default_and_greedy_outputs_stay_the_targets(target):
+    """On a CPU with native bfloat16 the head's own matmuls read bfloat16 copies of its weights
+    (the target's, and an exit head's shared first layers, never do); greedy tokens still equal
+    plain generate's."""
+    input_ids, mask = ragged_prompts(B=3, P=6, seed=5)
+    drafter = FeatureHeadDraft(target, random_head(target, 50, seed=2, scale=3.0))
+    assert all(m.plan is BFLOAT16_PLAN for m in _head_linears(drafter))
+    exit_drafter = ExitHeadDraft(target, random_exit_head(target, 50, seed=2, scale=3.0))
+    assert exit_drafter.model.output.plan is BFLOAT16_PLAN and exit_drafter.head.adapter.w13.plan is BFLOAT16_PLAN
+    assert all(m.plan is None for m in target.modules() if isinstance(m, Linear))
+    plain = generate(target, input_ids, mask, max_new_tokens=12, temperature=0)
+    for d in (drafter, exit_drafter):
+        spec = speculative_generate(target, d, input_ids, mask, num_draft_tokens=3, max_new_tokens=12,
+                                    temperature=0, adaptive=False)
+        assert torch.equal(spec.tokens, plain.tokens)
+        assert spec.stats.num_accepted.sum() > 0
+
+
+@needs_bfloat16
+def test_bfloat16_drafts_follow_the_float32_ones_to_rounding(target):
+    """The same head drafting in bfloat16 and in float32 proposes (nearly) the same tokens: its
+    draft logits differ by bfloat16's rounding, not more."""
+    head = random_head(target, 50, seed=2, scale=3.0)
+    ids, lengths = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1)), torch.tensor([7, 5])
+    hidden = torch.stack([_sequence_hidden(target, row) for row in ids])
+    logits = []
+    for dtype in (torch.float32, torch.bfloat16):
+        drafter = FeatureHeadDraft(target, head, matmul_dtype=dtype)
+        with torch.inference_mode():  # as the loop runs it (autograd would take the plain path)
+            drafter.prefill(ids, lengths, 32, hidden_states=hidden)
+            logits.append(drafter.propose(3, lambda x: x.argmax(-1)).logits)
+    finite = logits[0].isfinite()
+    assert torch.equal(finite, logits[1].isfinite())
+    difference = (logits[0][finite] - logits[1][finite]).abs().max()
+    assert 0 < difference < 0.05 * logits[0][finite].abs().max()
+
+
+def test_a_heads_matmul_dtype_is_checked_and_a_reused_head_follows_its_latest_drafter(target, monkeypatch):
+    head = random_head(target, 50, seed=2)
+    for bad in (torch.float16, torch.float64, "bfloat16"):
+        with pytest.raises(ValueError, match="matmul_dtype must be None, the target's dtype"):
+            FeatureHeadDraft(target, head, matmul_dtype=bad)
+        with pytest.raises(ValueError, match="matmul_dtype must be None, the target's dtype"):
+            ExitHeadDraft(target, random_exit_head(target, 50, seed=2), matmul_dtype=bad)
+    float32 = FeatureHeadDraft(target, head, matmul_dtype=torch.float32)
+    assert all(m.plan is None for m in _head_linears(float32))
+    from specdec_kernels import draft_heads
+
+    monkeypatch.setattr(draft_heads, "bfloat16_matmuls_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs oneDNN's native bfloat16 matmul"):
+        FeatureHeadDraft(target, head, matmul_dtype=torch.bfloat16)
+    assert all(m.plan is None for m in _head_linears(FeatureHeadDraft(target, head)))  # the default follows
+
+
+@needs_bfloat16
+def test_a_head_set_up_for_bfloat16_then_float32_computes_in_float32(target):
+    head = random_head(target, 50, seed=2)
+    FeatureHeadDraft(target, head, matmul_dtype=torch.bfloat16)
+    again = FeatureHeadDraft(target, head, matmul_dtype=torch.float32)
+    assert all(m.plan is None for m in _head_linears(again))
 
 
 def test_the_drafters_bookkeeping_follows_ragged_commits_plain_steps_and_select(target):
@@ -619,9 +691,11 @@ def test_an_exit_heads_drafts_are_the_targets_first_layers_then_the_adapter(targ
             seen.append((self.cache.lengths.clone(), self.last.clone(), proposal))
             return proposal
 
-    speculative_generate(target, Recording(target, head), input_ids, mask, num_draft_tokens=K, max_new_tokens=8,
-                         temperature=0, adaptive=False)
-    out = speculative_generate(target, ExitHeadDraft(target, head), input_ids, mask, num_draft_tokens=K,
+    # float32 matmuls: the logits are compared with a float32 reference
+    speculative_generate(target, Recording(target, head, matmul_dtype=torch.float32), input_ids, mask,
+                         num_draft_tokens=K, max_new_tokens=8, temperature=0, adaptive=False)
+    out = speculative_generate(target, ExitHeadDraft(target, head, matmul_dtype=torch.float32), input_ids, mask,
+                               num_draft_tokens=K,
                                max_new_tokens=8, temperature=0, adaptive=False)
     prompts = [row[m.bool()] for row, m in zip(input_ids, mask, strict=True)]
     prefix = target.truncated(1)
@@ -666,7 +740,8 @@ def test_an_exit_head_on_a_packed_target_drafts_as_unpacked(target):
 
     packed = copy.deepcopy(target).pack_weights(plan=MKL_PACKED_PLAN)
     input_ids, mask = ragged_prompts(B=3, P=6, seed=5)
-    drafters = [ExitHeadDraft(t, random_exit_head(target, 50, seed=2, scale=3.0)) for t in (target, packed)]
+    drafters = [ExitHeadDraft(t, random_exit_head(target, 50, seed=2, scale=3.0), matmul_dtype=torch.float32)
+                for t in (target, packed)]
     assert drafters[1].head.adapter.w13.plan is MKL_PACKED_PLAN and drafters[1].model.output.plan is MKL_PACKED_PLAN
     assert drafters[0].head.adapter.w13.plan is None
     outs = [speculative_generate(t, d, input_ids, mask, num_draft_tokens=3, max_new_tokens=10, temperature=0,

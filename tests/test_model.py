@@ -8,10 +8,12 @@ import torch.nn.functional as F
 
 from specdec_kernels import KVCache
 from specdec_kernels.matmul import (
+    BFLOAT16_PLAN,
     MKL_PACKED_PLAN,
     PACKED_FORMS,
     Linear,
     MatmulPlan,
+    bfloat16_matmuls_available,
     choose_matmul_plan,
     cpu_seconds_elsewhere,
     fastest_calls,
@@ -361,6 +363,29 @@ def test_onednn_packed_linear_matches_f_linear_at_every_row_count(rows, input_ma
     torch.testing.assert_close(layer(strided), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not bfloat16_matmuls_available(), reason="no native bfloat16 matmul here")
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 65, 130])
+def test_the_bfloat16_form_is_the_product_of_the_rounded_operands(rows):
+    """`BFLOAT16_PLAN` computes with a bfloat16 copy of the weight: the product of the operands
+    rounded to bfloat16 (float64 here), rounded once more, and returned in float32; not float32's
+    product. The float32 weight itself is kept."""
+    gen = torch.Generator().manual_seed(rows)
+    layer = Linear(97, 33).requires_grad_(False)
+    layer.weight.copy_(torch.randn(33, 97, generator=gen))
+    weight = layer.weight.detach().clone()
+    layer.pack(BFLOAT16_PLAN)
+    assert torch.equal(layer.weight, weight) and layer.weight.dtype == torch.float32
+    x = torch.randn(rows, 1, 97, generator=gen)
+    out = layer(x)
+    assert out.shape == (rows, 1, 33) and out.dtype == torch.float32
+    rounded = x.bfloat16().double() @ weight.bfloat16().double().T
+    torch.testing.assert_close(out.double(), rounded.bfloat16().double(), rtol=2 ** -7, atol=1e-6)
+    if rows:
+        assert not torch.allclose(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(rows, 2 * 97, generator=gen)[:, ::2]  # not contiguous
+    torch.testing.assert_close(layer(strided), F.linear(strided.bfloat16(), weight.bfloat16()).float())
+
+
 def logits_after_prefill(models, ids: torch.Tensor, prefill: int, q_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """Each model's logits for ``ids[:, prefill:]`` (ragged ``q_seqlens``) after a prefill of
     the first ``prefill`` tokens, in a cache of its own."""
@@ -678,6 +703,7 @@ def test_matmul_plan_forms_and_validation():
         "weight_first", "weight_first", "weight_first", "onednn_packed", "onednn_packed", "linear", "linear",
         "mkl_packed", "onednn_packed"]
     assert plan.packed_forms == ("onednn_packed", "mkl_packed") and not WEIGHT_FIRST_PLAN.packed_forms
+    assert BFLOAT16_PLAN.packed_forms == ("onednn_bfloat16",)  # a rounded form: valid in a plan, never measured
     assert plan.describe() == ("row-major weights; 1-3 rows: weight_first, 4-64 rows: onednn_packed, 65-99 rows: "
                                "linear, 100-199 rows: mkl_packed, 200+ rows: onednn_packed")
     assert MKL_PACKED_PLAN.describe() == "input-major weights; 1 row: linear, 2+ rows: mkl_packed"
