@@ -620,7 +620,8 @@ LOOKUP_FIRST_K = 7
 
 
 def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
-                head: str | None = None, exit_head: str | None = None, open_prompts: bool = False) -> str:
+                head: str | None = None, exit_head: str | None = None, open_prompts: bool = False,
+                matmul_dtypes: tuple[torch.dtype | None, ...] = (None,)) -> str:
     """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``), the
     head behind prompt lookup (`LookupFirstDraft`: K = `LOOKUP_FIRST_K`, the head asked for at
     most ``k``), an `ExitHead` file ``exit_head`` if given, and prompt lookup against our plain
@@ -631,7 +632,9 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     (`_interleaved_medians`). Columns: speedup (median over rounds of the ratio to the plain runs
     around it), acceptance per drafted token, tokens per target forward, the measured c and v,
     Leviathan's prediction and the efficiency (as in `table`, for fixed K), the mean draft
-    length. A markdown table plus the machine line."""
+    length. ``matmul_dtypes``: the heads' (`FeatureHeadDraft`'s ``matmul_dtype``; None: its
+    default), each with its own rows where more than one is given. A markdown table plus the
+    machine line."""
     from benchmarks.timing import machine_line
     from specdec_kernels import (
         ExitHead,
@@ -644,10 +647,15 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
 
     torch.manual_seed(0)
     setup = load_setup(pack)
-    drafter = (load_smollm2_draft(setup.model) if head is None
-               else FeatureHeadDraft(setup.model, FeatureHead.load(head)))
-    drafters = {"trained head": (drafter, k), "prompt lookup": (PromptLookupDraft(), k),
-                "trained head, lookup first": (LookupFirstDraft(drafter, draft_tokens=k), LOOKUP_FIRST_K)}
+    heads = {}  # row-name suffix -> drafter
+    for dtype in matmul_dtypes:
+        suffix = "" if len(matmul_dtypes) == 1 else f" ({str(dtype).removeprefix('torch.')} matmuls)"
+        heads[suffix] = (load_smollm2_draft(setup.model, matmul_dtype=dtype) if head is None
+                         else FeatureHeadDraft(setup.model, FeatureHead.load(head), matmul_dtype=dtype))
+    drafters = {f"trained head{suffix}": (drafter, k) for suffix, drafter in heads.items()}
+    drafters["prompt lookup"] = (PromptLookupDraft(), k)
+    drafters.update({f"trained head, lookup first{suffix}": (LookupFirstDraft(drafter, draft_tokens=k), LOOKUP_FIRST_K)
+                     for suffix, drafter in heads.items()})
     if exit_head is not None:
         drafters["early-exit head"] = (ExitHeadDraft(setup.model, ExitHead.load(exit_head)), k)
     prompts = OPEN_PROMPTS if open_prompts else held_out_prompts()
@@ -769,12 +777,17 @@ if __name__ == "__main__":
                         help="--heads: a FeatureHead file instead of the shipped head")
     parser.add_argument("--exit-head", default=None, metavar="PATH",
                         help="--heads: an ExitHead file (train-draft --head early-exit) to compare too")
+    parser.add_argument("--head-matmul-dtypes", nargs="+", default=None, choices=["float32", "bfloat16"],
+                        help="--heads: the head's matmul dtypes to compare, each with its own rows (default: "
+                             "the head's default only)")
     parser.add_argument("--open-prompts", action="store_true",
                         help="--heads: the open prompts (new text, little to copy) instead of the held-out ones")
     args = parser.parse_args()
     if args.heads:
         print(heads_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
-                          head=args.head, exit_head=args.exit_head, open_prompts=args.open_prompts))
+                          head=args.head, exit_head=args.exit_head, open_prompts=args.open_prompts,
+                          matmul_dtypes=(None,) if args.head_matmul_dtypes is None
+                          else tuple(getattr(torch, d) for d in args.head_matmul_dtypes)))
         raise SystemExit(0)
     if args.lookahead:
         configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else
