@@ -229,19 +229,19 @@ class DraftLengths:
         """Each row's draft length for the next verification (0 .. ``offered``, what the drafter
         proposed for it), for the batch's ``rows`` still running: the planned lengths, or, where
         the plan asked for K to see the offer (shadowing, or a scored drafter before its costs
-        are known) and every cost is measured by now, the best lengths given the offers. ``generated``:
-        each row's tokens so far: lengths chosen here leave out more than ``max_new_tokens -
-        generated - 1`` drafts (the verification adds at least one more token); planned lengths
-        were cut when planned (a tree's deeper nodes may still be kept after a cut by count)."""
+        are known) and every cost is measured by now, the best lengths given the offers.
+        ``generated``: each row's tokens so far. Every length leaves out the drafts past
+        ``max_new_tokens - generated - 1`` (the verification adds one more token): the plan cut
+        its lengths by counts one verification old, which may since have gained up to K + 1
+        tokens, and a row given more drafts than its budget keeps would commit tokens past it,
+        past the room the caches hold (`Drafter.prefill`'s ``max_len``). A tree cut by count
+        keeps its first nodes, and no path longer than the nodes kept."""
         best = self.after_offer and self._ready()
-        if best:
-            lengths = [min(k, self.max_new_tokens - g - 1)
-                       for k, g in zip(self._best(rows, offered), generated, strict=True)]
-        else:
-            lengths = [self.planned.get(row, 0) for row in rows]
-        lengths = [max(0, min(k, o)) for k, o in zip(lengths, offered, strict=True)]
-        if best:
-            self.expected = {row: self.forecasts[row][k] for row, k in zip(rows, lengths, strict=True)}
+        lengths = self._best(rows, offered) if best else [self.planned.get(row, 0) for row in rows]
+        lengths = [max(0, min(k, o, self.max_new_tokens - g - 1))
+                   for k, o, g in zip(lengths, offered, generated, strict=True)]
+        self.expected = {row: self.forecasts[row][k] for row, k in zip(rows, lengths, strict=True)
+                         if row in self.forecasts}
         self.chosen = dict(zip(rows, lengths, strict=True))
         return lengths
 

@@ -933,3 +933,25 @@ def test_speculative_generate_keeps_verify_costs_per_target_and_way_of_running(t
     assert _draft_lengths.known_costs(target, (1, "cpu", False, True, "OracleDraft")) == {}
     assert _draft_lengths.known_costs(target, (2, "cpu", False, False, "OracleDraft")) == {}
     assert _draft_lengths.known_costs(3, (2, "cpu", False, True, "OracleDraft")) == {}  # no weak reference: not kept
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_no_row_commits_tokens_past_its_budget(target, adaptive):
+    """The plan cuts each row's drafts by its token count one verification old; with every draft
+    accepted the row has since gained K + 1 tokens, so the loop cuts them again by the fresh
+    count: no commit runs past ``max_new_tokens``, whose room is all the drafters' caches hold
+    (a `FeatureHeadDraft` at batch 8 wrote past its cache here)."""
+    K, N = 4, 13
+    input_ids, mask = ragged_prompts(B=3, P=6, seed=2)
+    truth = generate(target, input_ids, mask, max_new_tokens=N + K + 1, temperature=0).tokens
+    most = []
+
+    class Counting(Oracle):
+        def commit(self, token_ids, num_tokens):
+            super().commit(token_ids, num_tokens)
+            most.append(int(self.committed.max()))
+
+    out = speculative_generate(target, Counting(truth), input_ids, mask, num_draft_tokens=K, max_new_tokens=N,
+                               temperature=0, adaptive=adaptive)
+    assert torch.equal(out.tokens, truth[:, :N])
+    assert max(most) == N

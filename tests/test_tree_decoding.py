@@ -62,9 +62,10 @@ def test_oracle_tree_keeps_its_right_branch(target, adaptive):
     spec = speculative_generate(target, OracleTree(truth), ids, mask, num_draft_tokens=6, max_new_tokens=21,
                                 temperature=0, adaptive=adaptive)
     assert torch.equal(spec.tokens, plain.tokens)
-    if not adaptive:  # the 3 right nodes of 6 accepted every step, then the target's own token
-        assert torch.equal(spec.stats.num_accepted, 3 * spec.stats.num_steps)
-        assert spec.stats.tokens_per_target_forward > 3.0
+    if not adaptive:  # the 3 right nodes of 6 accepted at every step with the whole tree (the
+        # last steps' trees are cut to the tokens left), then the target's own token
+        whole = spec.stats.draft_lengths[:, 6]
+        assert (whole >= 4).all() and (spec.stats.num_accepted >= 3 * whole).all()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
