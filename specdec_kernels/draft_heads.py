@@ -198,6 +198,13 @@ def _head_plan(target: Llama, matmul_dtype: torch.dtype | None) -> MatmulPlan | 
     return BFLOAT16_PLAN
 
 
+def _set_matmuls(modules: list[nn.Module], plan: MatmulPlan | None) -> None:
+    """Pack every `Linear` in ``modules`` with ``plan``, or unpack them (None)."""
+    for module in modules:
+        for linear in (m for m in module.modules() if isinstance(m, Linear)):
+            linear.unpack() if plan is None else linear.pack(plan)
+
+
 def _draft_model(target: Llama, layers: list[nn.Module], vocab: torch.Tensor) -> Llama:
     """``layers`` as a `Llama` over the target's embedding and final norm, with an LM head of the
     rows ``vocab`` of the target's (a copy: the target may lay out its own weight otherwise)."""
@@ -253,8 +260,9 @@ class FeatureHeadDraft:
     Args:
         target: the built-in `Llama` the head was trained for.
         head: the trained `FeatureHead`, moved in place to the target's device and dtype, its
-            matmuls set up in place for ``matmul_dtype`` (a head shared by two drafters runs as
-            the later one set it up).
+            ``fc`` and layer set up in place for ``matmul_dtype`` (each drafter has its own copy
+            of the LM head; a head shared by two drafters computes its ``fc`` and layer as the
+            later one set them up).
         branches: 1 for a chain (each token sampled with the run's ``sample``, its draft logits
             given to the verifier), or the children per expanded node of a tree.
         depth: a tree's levels (one head forward each; the first reads the committed pairs),
@@ -263,7 +271,7 @@ class FeatureHeadDraft:
             weights in. ``torch.bfloat16`` (CPU float32 targets): copies of those weights in
             bfloat16, in oneDNN's layout (`specdec_kernels.matmul.BFLOAT16_PLAN`); inputs,
             outputs, the head's cache and everything else stay float32. Drafting reads half the
-            bytes and costs about a fifth less on a 2-core CPU (docs/performance.md); the draft
+            bytes (docs/performance.md measures what that saves); the draft
             logits move in their third significant digit, which verification takes as they
             are: outputs stay the target's (greedy) or distributed as the target's (sampling).
             The target's dtype: the head computes as the target does (on a packed target, with
@@ -301,8 +309,7 @@ class FeatureHeadDraft:
         self.target, self.head = target, head.to(device=weight.device, dtype=weight.dtype).eval()
         self.model = _draft_model(target, [self.head.layer], self.head.draft_vocab)
         self.vocab = self.head.draft_vocab
-        for module in (self.head.fc, *(m for m in self.model.modules() if isinstance(m, Linear))):
-            module.unpack() if plan is None else module.pack(plan)
+        _set_matmuls([self.head.fc, self.head.layer, self.model.output], plan)
 
     def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int, *,
                 hidden_states: torch.Tensor) -> None:
@@ -477,8 +484,7 @@ class ExitHeadDraft(EarlyExitDraft):
         self.model = _draft_model(target, [*target.layers[:head.exit_layer], _Adapter(self.head)],
                                   self.head.draft_vocab)
         self.vocab, self.vocab_size = self.head.draft_vocab, target.vocab_size
-        for module in (self.model.output, self.head.adapter.w13, self.head.adapter.w2):
-            module.unpack() if plan is None else module.pack(plan)
+        _set_matmuls([self.head.adapter, self.model.output], plan)  # (not the target's layers it shares)
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         return _full_vocab(logits, self.vocab, self.vocab_size)

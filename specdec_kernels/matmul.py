@@ -147,23 +147,26 @@ FORMS = ("linear", "weight_first", *PACKED_FORMS)
 
 
 def bfloat16_matmuls_available() -> bool:
-    """Whether this CPU and torch build run oneDNN's bfloat16 matmul natively (AVX-512 BF16 or
-    AMX): the ``"onednn_bfloat16"`` form."""
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX) and this torch build
+    runs oneDNN's bfloat16 matmul: the ``"onednn_bfloat16"`` form. (oneDNN also runs bfloat16 on
+    AVX-512 CPUs without those, emulated: not counted here.)"""
+    native = any(bool(getattr(torch.cpu, check, lambda: False)())
+                 for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
     is_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return onednn_packing_available() and is_supported is not None and bool(is_supported())
+    return native and onednn_packing_available() and is_supported is not None and bool(is_supported())
 
 
 def onednn_bfloat16_pack(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of a CPU float32 ``weight`` [out, in], rounded to bfloat16 (an
     opaque tensor, as `onednn_pack`'s)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), _PACK_ROWS)
+    return onednn_pack(weight.detach().to(torch.bfloat16))
 
 
 def onednn_bfloat16_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` from ``packed = onednn_bfloat16_pack(weight)`` for CPU float32 ``x``
     [..., in]: ``x`` rounded to bfloat16, products summed in float32 and rounded to bfloat16,
     returned as float32 (equal to ``F.linear(x.bfloat16(), weight.bfloat16()).float()``)."""
-    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").to(x.dtype)
+    return onednn_packed_linear(x.to(torch.bfloat16), packed, weight).to(x.dtype)
 
 
 #: Forms that round to bfloat16: half the bytes of a float32 weight, products off from float32's
@@ -362,6 +365,8 @@ def choose_matmul_plan(seconds: Mapping[int, Mapping[Candidate, float]]) -> Matm
     for rows, times in seconds.items():
         if not all(in_layout(times, layout) for layout in (False, True)) or not all(t > 0 for t in times.values()):
             raise ValueError(f"seconds[{rows}] must time a candidate of each layout, every time > 0, got {times!r}")
+        if any(form not in FORMS for _, form in times):  # a rounded form would change the model's outputs
+            raise ValueError(f"seconds[{rows}] must time forms of {FORMS} only, got {sorted(f for _, f in times)}")
 
     def layout_cost(input_major: bool) -> float:
         return sum(math.log(min(in_layout(times, input_major).values()) / min(times.values()))
@@ -482,6 +487,8 @@ def measured_matmul_plan(weights: Sequence[torch.Tensor]) -> MatmulPlan:
         with contextlib.suppress(TypeError, KeyError, ValueError):  # no entry, or not a plan
             entry = _stored_plans(path).get(key)
             plan = MatmulPlan(input_major=entry["input_major"], forms=entry["forms"])
+        if plan is not None and any(form not in FORMS for _, form in plan.forms):
+            plan = None  # a rounded form is never measured into a plan: the stored entry is not one
         if plan is None:
             elsewhere, start = cpu_seconds_elsewhere(), time.perf_counter()
             plan = measure_matmul_plan(weights)
@@ -541,7 +548,7 @@ class Linear(nn.Linear):
             raise ValueError(f"packing needs a CPU float32 weight, got {weight.dtype} on {weight.device}")
         for form in plan.packed_forms if plan is not None else ():
             if not _copied_form(form).available():
-                raise RuntimeError(f"the {form!r} form is not available in this torch build")
+                raise RuntimeError(f"the {form!r} form is not available on this machine (torch build or CPU)")
 
     def pack(self, plan: MatmulPlan = MKL_PACKED_PLAN) -> None:
         """Follow ``plan`` from now on (see `Llama.pack_weights`): the weight is stored in its

@@ -31,7 +31,7 @@ from .attention import RaggedAttentionPlan, ragged_attention
 from .cache import AppendPlan, KVCache
 from .checkpoint import check_hf_state, hf_to_internal, internal_to_hf, read_hf_folder
 from .config import LlamaConfig
-from .matmul import Linear, MatmulPlan, matmul_sample, measured_matmul_plan
+from .matmul import FORMS, Linear, MatmulPlan, matmul_sample, measured_matmul_plan
 
 
 class RMSNorm(nn.Module):
@@ -424,6 +424,9 @@ class Llama(nn.Module):
         layers = {name: module for name, module in self.named_modules() if isinstance(module, Linear)}
         if plan is not None and not isinstance(plan, MatmulPlan):
             raise ValueError(f"plan must be a MatmulPlan or None, got {type(plan).__name__}")
+        if plan is not None and any(form not in FORMS for _, form in plan.forms):
+            raise ValueError(f"plan must run forms of {FORMS} only (the same logits to the last bits), got "
+                             f"{plan.describe()}; a rounded form is for a draft's own Linears (`Linear.pack`)")
         if not enable:
             if plan is not None:
                 raise ValueError("plan must be None with enable=False (which stores the weights as loaded)")

@@ -556,8 +556,8 @@ def test_a_head_drafts_in_bfloat16_by_default_and_greedy_outputs_stay_the_target
 
 @needs_bfloat16
 def test_bfloat16_drafts_follow_the_float32_ones_to_rounding(target):
-    """The same head drafting in bfloat16 and in float32 proposes (nearly) the same tokens: its
-    draft logits differ by bfloat16's rounding, not more."""
+    """The same head drafting in bfloat16 and in float32 gives draft logits that differ by
+    bfloat16's rounding, not more (and not less: the bfloat16 copies are used)."""
     head = random_head(target, 50, seed=2, scale=3.0)
     ids, lengths = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1)), torch.tensor([7, 5])
     hidden = torch.stack([_sequence_hidden(target, row) for row in ids])
@@ -571,6 +571,19 @@ def test_bfloat16_drafts_follow_the_float32_ones_to_rounding(target):
     assert torch.equal(finite, logits[1].isfinite())
     difference = (logits[0][finite] - logits[1][finite]).abs().max()
     assert 0 < difference < 0.05 * logits[0][finite].abs().max()
+
+
+@needs_bfloat16
+@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
+def test_an_exit_head_in_bfloat16_leaves_a_packed_targets_layers_as_they_are(target):
+    import copy
+
+    from specdec_kernels.matmul import MKL_PACKED_PLAN
+
+    packed = copy.deepcopy(target).pack_weights(plan=MKL_PACKED_PLAN)
+    drafter = ExitHeadDraft(packed, random_exit_head(target, 50, seed=2))
+    assert drafter.head.adapter.w13.plan is BFLOAT16_PLAN and drafter.model.output.plan is BFLOAT16_PLAN
+    assert all(m.plan is MKL_PACKED_PLAN for m in packed.modules() if isinstance(m, Linear))
 
 
 def test_a_heads_matmul_dtype_is_checked_and_a_reused_head_follows_its_latest_drafter(target, monkeypatch):

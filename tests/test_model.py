@@ -552,7 +552,7 @@ def test_can_pack_weights_says_whether_pack_weights_would_pack(monkeypatch):
     assert not model.can_pack_weights()
     without_packed_forms(monkeypatch)
     assert tiny_llama().can_pack_weights()  # a measured plan then leaves the packed forms out
-    with pytest.raises(RuntimeError, match="the 'mkl_packed' form is not available in this torch build"):
+    with pytest.raises(RuntimeError, match="the 'mkl_packed' form is not available on this machine"):
         tiny_llama().pack_weights(plan=MKL_PACKED_PLAN)
     assert not measure_matmul_plan([torch.randn(8, 4)], row_counts=(1, 2), repeats=1).packed_forms
 
@@ -704,6 +704,10 @@ def test_matmul_plan_forms_and_validation():
         "mkl_packed", "onednn_packed"]
     assert plan.packed_forms == ("onednn_packed", "mkl_packed") and not WEIGHT_FIRST_PLAN.packed_forms
     assert BFLOAT16_PLAN.packed_forms == ("onednn_bfloat16",)  # a rounded form: valid in a plan, never measured
+    with pytest.raises(ValueError, match="plan must run forms of"):  # nor applied to a whole model
+        tiny_llama().pack_weights(plan=BFLOAT16_PLAN)
+    with pytest.raises(ValueError, match=r"seconds\[1\] must time forms of"):
+        choose_matmul_plan({1: {(False, "linear"): 1.0, (True, "linear"): 1.0, (None, "onednn_bfloat16"): 0.5}})
     assert plan.describe() == ("row-major weights; 1-3 rows: weight_first, 4-64 rows: onednn_packed, 65-99 rows: "
                                "linear, 100-199 rows: mkl_packed, 200+ rows: onednn_packed")
     assert MKL_PACKED_PLAN.describe() == "input-major weights; 1 row: linear, 2+ rows: mkl_packed"
@@ -879,8 +883,9 @@ def test_a_plan_measured_under_load_serves_only_its_process(monkeypatch, plans_i
 
 
 @pytest.mark.parametrize("content", ["not json", "[1, 2]", "{KEY: 3}",
-                                     '{KEY: {"input_major": false, "forms": [[2, "linear"]]}}'],
-                         ids=["not-json", "not-a-dict", "not-a-plan", "bad-forms"])
+                                     '{KEY: {"input_major": false, "forms": [[2, "linear"]]}}',
+                                     '{KEY: {"input_major": false, "forms": [[1, "onednn_bfloat16"]]}}'],
+                         ids=["not-json", "not-a-dict", "not-a-plan", "bad-forms", "rounded-form"])
 def test_an_unreadable_plans_file_is_measured_over(monkeypatch, plans_in_tmp_path, content):
     import json
 
