@@ -205,7 +205,6 @@ class DraftLengths:
             lengths = self._best(rows)
         self.planned = {row: max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
                         for row, k in zip(rows, lengths, strict=True)}
-        self.expected = {row: self.forecasts[row][k] for row, k in self.planned.items() if row in self.forecasts}
         # Whether `choose` picks the lengths once the offer is seen (where every cost is measured
         # by then): fixed here, as the plan was made (the measurements between may flip
         # `shadowing`). A deterministic drafter is asked for K until then too: its proposals
@@ -238,10 +237,13 @@ class DraftLengths:
         keeps its first nodes, and no path longer than the nodes kept."""
         best = self.after_offer and self._ready()
         lengths = self._best(rows, offered) if best else [self.planned.get(row, 0) for row in rows]
-        lengths = [max(0, min(k, o, self.max_new_tokens - g - 1))
-                   for k, o, g in zip(lengths, offered, generated, strict=True)]
+        lengths = [max(0, min(k, self.max_new_tokens - g - 1)) for k, g in zip(lengths, generated, strict=True)]
+        if not best:  # what the row asked for, as far as its budget goes: a budget cut is no shortfall of the drafter's
+            self.planned.update(zip(rows, lengths, strict=True))
+        # (A plan's forecasts already weigh what the drafter offers (the share f): taken before the offer's cut.)
         self.expected = {row: self.forecasts[row][k] for row, k in zip(rows, lengths, strict=True)
                          if row in self.forecasts}
+        lengths = [min(k, o) for k, o in zip(lengths, offered, strict=True)]
         self.chosen = dict(zip(rows, lengths, strict=True))
         return lengths
 

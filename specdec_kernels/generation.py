@@ -74,7 +74,8 @@ class GenerationStats:
             comes from the prefill); with them it is less.
         draft_lengths: [B, K + 1] int64, how many steps row b verified a length of k = 0 .. K
             drafts: the length chosen (by adaptive speculation, else K) cut to what the drafter
-            offered (`speculative_generate`; [B, 1] for `generate`).
+            offered and to the tokens the row's budget has left (`speculative_generate`; [B, 1]
+            for `generate`).
         target_forwards: batched target forward calls, the prefill included.
         draft_calls: proposals asked of the drafter.
         time_prefill_s: prompt prefill of target and draft; time_draft_prefill_s: the draft

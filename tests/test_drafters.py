@@ -322,8 +322,10 @@ def test_the_policy_cuts_each_row_to_its_own_length():
     lengths = planned(policy, [0, 1, 2], {2: 16})
     assert lengths[0] == 4 and lengths[1] == 0 and lengths[2] == 2  # row 2: only 2 fit its budget
     assert policy.width == 4
-    # What is verified: the plan, cut to what the drafter offered.
-    assert policy.choose([0, 1, 2], [3, 4, 1], [0, 0, 18]) == [3, 0, 1]
+    # What is verified: the plan, cut to what the drafter offered and to what the row's budget
+    # keeps now (row 2 gained 2 more tokens since the plan's count: 1 draft is left of its 2).
+    assert policy.choose([0, 1, 2], [3, 4, 2], [0, 0, 18]) == [3, 0, 1]
+    assert policy.planned[2] == 1  # asked, as far as the budget goes: no shortfall of the drafter's
     policy.verifying([0, 1, 2], {0: 3, 1: 0, 2: 1}, 7)
     assert policy.counts[0][3] == policy.counts[1][0] == policy.counts[2][1] == 1
 
@@ -940,7 +942,7 @@ def test_no_row_commits_tokens_past_its_budget(target, adaptive):
     """The plan cuts each row's drafts by its token count one verification old; with every draft
     accepted the row has since gained K + 1 tokens, so the loop cuts them again by the fresh
     count: no commit runs past ``max_new_tokens``, whose room is all the drafters' caches hold
-    (a `FeatureHeadDraft` at batch 8 wrote past its cache here)."""
+    (`Drafter.prefill`'s ``max_len``: a `FeatureHeadDraft` would write past its cache)."""
     K, N = 4, 13
     input_ids, mask = ragged_prompts(B=3, P=6, seed=2)
     truth = generate(target, input_ids, mask, max_new_tokens=N + K + 1, temperature=0).tokens
