@@ -632,9 +632,9 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     (`_interleaved_medians`). Columns: speedup (median over rounds of the ratio to the plain runs
     around it), acceptance per drafted token, tokens per target forward, the measured c and v,
     Leviathan's prediction and the efficiency (as in `table`, for fixed K), the mean draft
-    length. ``matmul_dtypes``: the heads' (`FeatureHeadDraft`'s ``matmul_dtype``; None: its
-    default), each with its own rows where more than one is given. A markdown table plus the
-    machine line."""
+    length. ``matmul_dtypes``: the feature heads' (`FeatureHeadDraft`'s ``matmul_dtype``; None:
+    its default), each with its own rows where more than one is given; the exit head keeps its
+    default. A markdown table plus the machine line."""
     from benchmarks.timing import machine_line
     from specdec_kernels import (
         ExitHead,
@@ -647,9 +647,12 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
 
     torch.manual_seed(0)
     setup = load_setup(pack)
+    if len(set(matmul_dtypes)) != len(matmul_dtypes):
+        raise ValueError(f"matmul_dtypes must be distinct, got {matmul_dtypes}")
     heads = {}  # row-name suffix -> drafter
     for dtype in matmul_dtypes:
-        suffix = "" if len(matmul_dtypes) == 1 else f" ({str(dtype).removeprefix('torch.')} matmuls)"
+        named = "default" if dtype is None else str(dtype).removeprefix("torch.")
+        suffix = "" if len(matmul_dtypes) == 1 else f" ({named} matmuls)"
         heads[suffix] = (load_smollm2_draft(setup.model, matmul_dtype=dtype) if head is None
                          else FeatureHeadDraft(setup.model, FeatureHead.load(head), matmul_dtype=dtype))
     drafters = {f"trained head{suffix}": (drafter, k) for suffix, drafter in heads.items()}
