@@ -229,6 +229,11 @@ class MatmulPlan:
         copy of the weights)."""
         return tuple(dict.fromkeys(form for _, form in self.forms if form in PACKED_FORMS or form in ROUNDED_FORMS))
 
+    @property
+    def rounded(self) -> bool:
+        """Whether this plan runs a form of `ROUNDED_FORMS` (not the float32 product: for drafts)."""
+        return any(form in ROUNDED_FORMS for _, form in self.forms)
+
     def describe(self) -> str:
         """One line, e.g. ``"row-major weights; 1 row: weight_first, 65+ rows: linear"``."""
         ends = [start - 1 for start, _ in self.forms[1:]] + [None]
@@ -487,7 +492,7 @@ def measured_matmul_plan(weights: Sequence[torch.Tensor]) -> MatmulPlan:
         with contextlib.suppress(TypeError, KeyError, ValueError):  # no entry, or not a plan
             entry = _stored_plans(path).get(key)
             plan = MatmulPlan(input_major=entry["input_major"], forms=entry["forms"])
-        if plan is not None and any(form not in FORMS for _, form in plan.forms):
+        if plan is not None and plan.rounded:
             plan = None  # a rounded form is never measured into a plan: the stored entry is not one
         if plan is None:
             elsewhere, start = cpu_seconds_elsewhere(), time.perf_counter()

@@ -424,7 +424,7 @@ class Llama(nn.Module):
         layers = {name: module for name, module in self.named_modules() if isinstance(module, Linear)}
         if plan is not None and not isinstance(plan, MatmulPlan):
             raise ValueError(f"plan must be a MatmulPlan or None, got {type(plan).__name__}")
-        if plan is not None and any(form not in FORMS for _, form in plan.forms):
+        if plan is not None and plan.rounded:
             raise ValueError(f"plan must run forms of {FORMS} only (the same logits to the last bits), got "
                              f"{plan.describe()}; a rounded form is for a draft's own Linears (`Linear.pack`)")
         if not enable:
