@@ -29,13 +29,14 @@ step times stand in until the second's replace them (it may pay one-time costs; 
 CUDA-graph shape eagerly or recorded it is not timed at all). The verify costs (the line, the
 seconds per token count, the loop's overhead) belong to the target and the way it runs, not to
 the text: a call starts from those an earlier call run alike measured on the same target object
-(`known_costs`), so only the drafting needs a timed step before the policy chooses; its own
-first step is then not timed, and the carried costs fade under its own (`COST_DECAY`; a token
-count's mean as that count is measured again). A step far slower than predicted is dropped as
-an outlier, but not a third in a row: a lasting change (or carried costs gone stale) is
-learned. Acceptance is never carried: it belongs to the text. A drafter that has proposed
-nothing in the first steps leaves no drafting to price: the policy then starts without, and
-its shares f keep asking rare.
+(`known_costs`); its own first step is then not timed, and the carried costs fade under its own
+(`COST_DECAY`; a token count's mean as that count is measured again). The drafting costs belong
+to the drafter and carry likewise, on the drafter object as the call was given it: a call with
+both carried chooses from its first step, where one without times a drafting step first. A
+step far slower than predicted is dropped as an outlier, but not a third in a row: a lasting
+change (or carried costs gone stale) is learned. Acceptance is never carried: it belongs to
+the text. A drafter that has proposed nothing in the first steps leaves no drafting to price:
+the policy then starts without, and its shares f keep asking rare.
 
 Deterministic chains (no draft logits, no tree: prompt lookup, n-gram drafters) are scored
 against the text instead of by their verification: each proposal's tokens are compared with
@@ -77,17 +78,19 @@ SHADOW_SHARE = 0.02
 LINE_WEIGHT = 2.0  # samples' worth of the fitted line in each token count's mean verify time
 
 
-# Verify costs per target object, then per way of running (`known_costs`: the loop's key).
+# Costs per object (a target's verify costs, a drafter's drafting costs), then per way of
+# running (`known_costs`: the loop's key).
 _KNOWN_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def known_costs(target, key: tuple) -> dict:
-    """The verify costs adaptive speculation measured on ``target`` (at ``key``: batch size and
-    way of running, as `speculative_generate` builds it) in earlier calls of this process, as a
-    dict that `DraftLengths` reads at its start and keeps current (empty before any, or where
-    ``target`` cannot be weakly referenced: nothing is then carried). Dropped with the target."""
+def known_costs(owner, key: tuple) -> dict:
+    """The costs adaptive speculation measured on ``owner`` (a target: its verify costs; a
+    drafter: its drafting costs) at ``key`` (batch size and way of running, as
+    `speculative_generate` builds it) in earlier calls of this process, as a dict that
+    `DraftLengths` reads at its start and keeps current (empty before any, or where ``owner``
+    cannot be weakly referenced or hashed: nothing is then carried). Dropped with the owner."""
     try:
-        return _KNOWN_COSTS.setdefault(target, {}).setdefault(key, {})
+        return _KNOWN_COSTS.setdefault(owner, {}).setdefault(key, {})
     except TypeError:
         return {}
 
@@ -129,13 +132,14 @@ class DraftLengths:
     proposal, where `scores` it), `choose` (each row's length, given what it was offered) and
     `verifying` (what it verifies). ``known``: the verify costs of earlier calls run alike
     (`known_costs`), read at the start and kept current; None or empty: measured from scratch.
+    ``known_drafting``: the same for the drafting costs (of earlier calls with the same drafter).
     The arithmetic is plain Python on a few numbers per row:
     host work, no tensor to synchronize. ``counts[row][k]`` counts the verified steps the row
     was given length k.
     """
 
     def __init__(self, max_tokens: int, max_new_tokens: int, batch_size: int, adaptive: bool,
-                 known: dict | None = None) -> None:
+                 known: dict | None = None, known_drafting: dict | None = None) -> None:
         self.K, self.max_new_tokens, self.adaptive = max_tokens, max_new_tokens, adaptive
         self.planned: dict[int, int] = {}  # the lengths planned for the proposal being made
         self.chosen: dict[int, int] = {}  # the lengths being verified
@@ -183,6 +187,10 @@ class DraftLengths:
         if self.carried:
             self.verify, self.verify_at = copy.copy(known["verify"]), dict(known["verify_at"])
             self.overhead = known["overhead"]
+        # Drafting costs measured by earlier calls with this drafter, kept current likewise.
+        self.known_drafting = known_drafting
+        if adaptive and known_drafting:
+            self.draft_seconds, self.draft_tokens, self.proposal_seconds, self.proposals = known_drafting["drafting"]
 
     def plan(self, rows: list[int], generated: dict[int, int]) -> int:
         """How many tokens per row to ask the drafter for next (0: no proposal, the next step
@@ -472,6 +480,9 @@ class DraftLengths:
             self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
             self.proposal_seconds = COST_DECAY * self.proposal_seconds + draft_s
             self.proposals = COST_DECAY * self.proposals + 1
+            if self.known_drafting is not None:  # for the next call with this drafter
+                self.known_drafting["drafting"] = (self.draft_seconds, self.draft_tokens, self.proposal_seconds,
+                                                   self.proposals)
         self.timed_drafts |= verify_tokens > len(rows)
         if self.carried and self.steps_seen == 1:  # the carried costs stand in for the first step's
             return

@@ -559,11 +559,13 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
     timer, stats, outputs = _PhaseTimer(device), _new_stats(B, device, K), _Outputs(B, request.max_new_tokens, device)
     hidden = getattr(drafter, "needs_target_hidden", False) is True  # the target's features, for the drafter
     graphs = _use_cuda_graphs(cuda_graphs, (target,), device) and not hidden
-    # Earlier calls' verify costs, for calls run alike: the sampler's work and the drafter's
-    # proposals (trees, draft logits, scoring) are in them too.
+    # Earlier calls' costs, for calls run alike: the verify costs on the target (the sampler's
+    # work and the drafter's proposals, trees, draft logits, scoring, are in them too), the
+    # drafting costs on the draft as given (a model given as the draft is wrapped anew each call).
     way = (B, str(device), graphs, temperature == 0, type(drafter).__qualname__)
     known = known_costs(given, way) if adaptive else None
-    stream, lengths = _Stream(streamer, B), DraftLengths(K, request.max_new_tokens, B, adaptive, known)
+    drafting = known_costs(draft, ("drafting", *way)) if adaptive else None
+    stream, lengths = _Stream(streamer, B), DraftLengths(K, request.max_new_tokens, B, adaptive, known, drafting)
     rows, host_rows = torch.arange(B, device=device), list(range(B))
     cache = _new_cache(target, "target", B, request.max_len, device)
     check = _LogitsCheck(device, ("target model", "draft model", "drafter"))

@@ -480,7 +480,8 @@ def test_a_good_draft_is_used_at_full_length():
 
 def test_sampling_with_adaptive_lengths_keeps_the_target_distribution(target):
     """Chi-square of the second and third generated tokens over many seeds: adaptive speculation
-    with a model draft (its first two steps draft) samples what plain generation samples."""
+    with a model draft (its first two steps draft: each call starts without carried costs)
+    samples what plain generation samples."""
     from scipy.stats import chi2_contingency
 
     ids = torch.tensor([[5, 17, 33]])
@@ -491,6 +492,7 @@ def test_sampling_with_adaptive_lengths_keeps_the_target_distribution(target):
     for seed in range(n):
         counts_plain.index_put_((generate(target, ids, max_new_tokens=4, seed=seed).tokens[0, 1:3],),
                                 torch.ones(2), accumulate=True)
+        _draft_lengths._KNOWN_COSTS.clear()
         spec = speculative_generate(target, draft, ids, max_new_tokens=4, seed=10_000 + seed, num_draft_tokens=2)
         counts_spec.index_put_((spec.tokens[0, 1:3],), torch.ones(2), accumulate=True)
         proposed += int(spec.stats.num_proposed.sum())
@@ -901,6 +903,35 @@ def test_verify_costs_carry_to_the_next_call_at_the_same_batch_size():
     assert all(seconds / weight < 0.04 for seconds, weight in policy.verify_at.values()), policy.verify_at
 
 
+def test_drafting_costs_carry_with_the_drafter_so_the_first_step_chooses(monkeypatch):
+    """With the verify costs and the drafter's drafting costs both carried, a call chooses from
+    its first step: a cheap, good draft is drafted at length at once, and a useless one costing
+    40% of a step per token is probed once at the start, not twice (one probe before the costs
+    are known, one timed)."""
+    clock = [0.0]  # the steps take what their verification and drafting take, nothing else
+    monkeypatch.setattr(_draft_lengths, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def spend(seconds):
+        clock[0] += seconds
+        return seconds
+
+    verify_s = lambda n, step: spend(0.030 + 0.001 * n)
+    for per_token, accept in ((0.0003, lambda r, k: k), (0.012, lambda r, k: 0)):
+        draft_s = lambda w, per_token=per_token: spend(per_token * w)
+        known, drafting = {}, {}
+        first = [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0], 12, accept,
+                                           verify_s, draft_s)]
+        assert first[:2] == [1, 1], first  # nothing carried yet: two one-token steps
+        seconds, tokens, _, _ = drafting["drafting"]
+        assert seconds / tokens == pytest.approx(per_token)
+        second = [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0], 40, accept,
+                                            verify_s, draft_s)]
+        if accept(0, 4):  # more than one token from the first step (as the prior rates allow), then all
+            assert second[0] > 1 and set(second[2:]) == {4}, second
+        else:
+            assert second[:2] == [1, 0] and sum(second) == 1, second
+
+
 def test_carried_costs_give_way_to_a_lasting_change(monkeypatch):
     """A target now five times slower than when its costs were carried (a longer context,
     another load): its steps are not dropped as outliers of the stale costs, and the costs kept
@@ -923,15 +954,20 @@ def test_carried_costs_give_way_to_a_lasting_change(monkeypatch):
 
 def test_speculative_generate_keeps_verify_costs_per_target_and_way_of_running(target):
     """Costs are kept per target and batch size, device, CUDA graphs, greedy or sampled and
-    drafter class; a second call starts from them and still gives greedy `generate`'s tokens."""
+    drafter class, and drafting costs per drafter object likewise; a second call starts from
+    them and still gives greedy `generate`'s tokens."""
     ids, mask = ragged_prompts(B=2, seed=1)
     plain = generate(target, ids, mask, max_new_tokens=40, temperature=0)
+    truth = generate(target, ids, mask, max_new_tokens=44, temperature=0).tokens
+    drafter = Oracle(truth)
     for _ in range(2):
-        truth = generate(target, ids, mask, max_new_tokens=44, temperature=0).tokens
-        spec = speculative_generate(target, Oracle(truth), ids, mask, max_new_tokens=40, temperature=0)
+        spec = speculative_generate(target, drafter, ids, mask, max_new_tokens=40, temperature=0)
         assert torch.equal(spec.tokens, plain.tokens)
         known = _draft_lengths.known_costs(target, (2, "cpu", False, True, "OracleDraft"))
         assert set(known) == {"verify", "verify_at", "overhead"}
+        drafting = _draft_lengths.known_costs(drafter, ("drafting", 2, "cpu", False, True, "OracleDraft"))
+        assert set(drafting) == {"drafting"}
+    assert _draft_lengths.known_costs(Oracle(truth), ("drafting", 2, "cpu", False, True, "OracleDraft")) == {}
     assert _draft_lengths.known_costs(target, (1, "cpu", False, True, "OracleDraft")) == {}
     assert _draft_lengths.known_costs(target, (2, "cpu", False, False, "OracleDraft")) == {}
     assert _draft_lengths.known_costs(3, (2, "cpu", False, True, "OracleDraft")) == {}  # no weak reference: not kept
