@@ -391,6 +391,69 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
             f"the first {DRAFT_LAYERS} of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
 
 
+def per_prompt_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8), repeats: int = 10,
+                     pack: bool = True, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                     random_weights: str | None = None) -> str:
+    """Fixed vs adaptive draft lengths against our plain generate, as `speculation_table` but
+    timed prompt by prompt: at batch 1 every method answers each prompt of `PROMPTS` ``repeats``
+    times (at batch b, one batch of the first b prompts, cycled), the methods interleaved on each
+    prompt in turn, in reverse order every other round. A method's time is the sum over prompts
+    of its minimum run, and of its median run; its speedup is plain's time over it. A slow spell
+    of a shared machine lengthens a run and never shortens one, so the minima move least; the
+    medians are the robust middle. Each drafter is made once per prompt and reused by every
+    round, as a server reuses one: costs carry from call to call as the package carries them.
+    Every method's tokens are checked against plain's once (untimed, before the rounds).
+    Returns a markdown table plus the machine line."""
+    from benchmarks.timing import machine_line
+
+    torch.manual_seed(0)
+    setup = load_setup(pack, device, dtype, random_weights)
+    lines = [line for B in batch_sizes for line in _per_prompt_rows(setup, B, max_new_tokens, ks, repeats)]
+    header = ("| batch | draft | K | fixed K vs plain (minima; medians) | adaptive vs plain (minima; medians) | "
+              "adaptive keeps of best fixed K's gain (minima; medians) |\n|---|---|---|---|---|---|")
+    weights = _weights_name(random_weights)
+    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} new tokens per "
+            f"row, batch 1: each of the {len(PROMPTS)} prompts; speedups: sums over prompts of the minimum and of "
+            f"the median of {repeats} interleaved runs, plain's over the method's; layer draft: the first "
+            f"{DRAFT_LAYERS} of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+
+
+def _per_prompt_rows(setup: Setup, B: int, max_new_tokens: int, ks, repeats: int) -> list[str]:
+    """`per_prompt_table`'s rows at batch size ``B``."""
+    groups = [(prompt,) for prompt in PROMPTS] if B == 1 else [PROMPTS]
+    methods = [None] + [(draft, k, adaptive) for draft in ("prompt_lookup", "layers") for k in ks
+                        for adaptive in (False, True)]
+    drafters = {(m, i): make_drafter(setup, m[0], B, max_new_tokens, m[1], group)
+                for m in methods if m is not None for i, group in enumerate(groups)}
+
+    def run(m, i):
+        draft, k, adaptive = (None, 4, True) if m is None else (drafters[m, i], m[1], m[2])
+        return _timed(setup, run_ours, B, max_new_tokens, draft, k, adaptive, groups[i])
+
+    for i in range(len(groups)):
+        plain = run(None, i)[1].tokens
+        for m in methods[1:]:
+            if not torch.equal(run(m, i)[1].tokens, plain):
+                raise AssertionError(f"{m} gave other tokens than plain generate on prompt group {i}")
+    times = {(m, i): [] for m in methods for i in range(len(groups))}
+    for round_ in range(repeats):
+        for i in range(len(groups)):
+            for m in methods if round_ % 2 == 0 else methods[::-1]:
+                times[m, i].append(run(m, i)[0])
+    speedup = {m: tuple(sum(agg(times[None, i]) for i in range(len(groups)))
+                        / sum(agg(times[m, i]) for i in range(len(groups))) for agg in (min, statistics.median))
+               for m in methods[1:]}
+    lines = []
+    for draft in ("prompt_lookup", "layers"):
+        best = [max(speedup[draft, k, False][j] for k in ks) for j in (0, 1)]
+        for k in ks:
+            fixed, adaptive = speedup[draft, k, False], speedup[draft, k, True]
+            keeps = "; ".join(f"{(a - 1) / (b - 1):.0%}" if b > 1 else "-" for a, b in zip(adaptive, best, strict=True))
+            lines.append(f"| {B} | {draft} | {k} | {fixed[0]:.3f}x; {fixed[1]:.3f}x | {adaptive[0]:.3f}x; "
+                         f"{adaptive[1]:.3f}x | {keeps} |")
+    return lines
+
+
 def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), branches=(2, 4),
                 head_trees=((4, 4), (6, 5)), repeats: int = 3, pack: bool = True, device: str = "cpu",
                 dtype: torch.dtype = torch.float32, random_weights: str | None = None) -> str:
@@ -759,6 +822,8 @@ if __name__ == "__main__":
     parser.add_argument("--no-cuda-graphs", action="store_true", help="our loops decode eagerly on CUDA too")
     parser.add_argument("--speculation", action="store_true",
                         help="fixed vs adaptive draft lengths for K in --ks, and the oracle drafter (no HF runs)")
+    parser.add_argument("--per-prompt", action="store_true",
+                        help="with --speculation: minima and medians of many runs per prompt (default 10 rounds)")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--random-weights", metavar="TOKENIZER_DIR",
                         help="random weights in SmolLM2's shapes and the tokenizer saved in TOKENIZER_DIR, "
@@ -811,6 +876,11 @@ if __name__ == "__main__":
         print(hf_models_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, device=args.device,
                               dtype=getattr(torch, args.dtype), cuda_graphs=not args.no_cuda_graphs,
                               random_weights=args.random_weights))
+        raise SystemExit(0)
+    if args.speculation and args.per_prompt:
+        print(per_prompt_table(args.max_new_tokens, tuple(args.batch_sizes), tuple(args.ks), args.repeats,
+                               pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),
+                               random_weights=args.random_weights))
         raise SystemExit(0)
     if args.speculation:
         print(speculation_table(args.max_new_tokens, tuple(args.batch_sizes), tuple(args.ks), args.repeats,
