@@ -329,7 +329,7 @@ def check_padded_vocabularies(draft_size: int, target_size: int) -> None:
                      f"of 64, fewer than 1024 rows longer)")
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: its costs carry on the object (`speculative_generate`)
 class PromptLookupDraft:
     """Model-free `Drafter`: propose the tokens that followed the most recent earlier occurrence
     of the text's last n-gram (prompt lookup decoding). Tries n = max_ngram down to min_ngram;
