@@ -851,6 +851,8 @@ if __name__ == "__main__":
     parser.add_argument("--open-prompts", action="store_true",
                         help="--heads: the open prompts (new text, little to copy) instead of the held-out ones")
     args = parser.parse_args()
+    if args.per_prompt and not args.speculation:
+        parser.error("--per-prompt times the --speculation table: give both")
     if args.heads:
         print(heads_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
                           head=args.head, exit_head=args.exit_head, open_prompts=args.open_prompts,
