@@ -390,8 +390,8 @@ class FeatureHeadDraft:
             mask = torch.cat([rows, new_rows], 1)
             self.cache.crop(committed)
             inputs = self.head.input_vectors(fed_features, self.target.tok_embeddings(fed_ids))
-            _, hidden = self.model(fed_ids, self.cache, last_only=True, max_seqlen=read + n + k, return_hidden=True,
-                                   inputs_embeds=inputs, tree_mask=mask)
+            hidden = self.model(fed_ids, self.cache, max_seqlen=read + n + k, hidden_only=True, inputs_embeds=inputs,
+                                tree_mask=mask)
             hidden = hidden[:, n:]  # the beam's outputs: its nodes' children's features [B, k, H]
             child_logp = torch.log_softmax(self.model.output(self.model.norm(hidden)).float(), -1)
             score, local = (beam_score[..., None] + child_logp).topk(k, -1)  # [B, k beam nodes, k children]

@@ -234,7 +234,8 @@ class Llama(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None = None, *,
                 last_only: bool = False, num_tokens: int | None = None, max_seqlen: int | None = None,
                 min_seqlen: int | None = None, return_hidden: bool = False, tree_mask: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                inputs_embeds: torch.Tensor | None = None, hidden_only: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run ``input_ids`` [B, T] int64 through the model, appending to ``cache``.
 
         Args:
@@ -269,19 +270,25 @@ class Llama(nn.Module):
             inputs_embeds: [B, T, H] in the model's dtype: the first layer's input instead of the
                 token embeddings of ``input_ids`` (which then give only the shape); a draft head
                 (`FeatureHeadDraft`) feeds its own mix of features and embeddings.
+            hidden_only: return the last layer's hidden states alone, [B, T, H], without the final
+                norm and the LM head (a draft head growing a tree reads its nodes' features, not
+                their logits); ``last_only`` and ``return_hidden`` must then be False.
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
             meaningless values. With ``return_hidden``: (logits, hidden states [B, T, H]).
         """
+        if hidden_only and (last_only or return_hidden):
+            raise ValueError("hidden_only=True returns the hidden states alone: last_only and return_hidden "
+                             "must be False")
         with self.weights_lock.shared():
             return self._forward(input_ids, cache, q_seqlens, last_only, num_tokens, max_seqlen, min_seqlen,
-                                 return_hidden, tree_mask, inputs_embeds)
+                                 return_hidden, tree_mask, inputs_embeds, hidden_only)
 
     def _forward(self, input_ids: torch.Tensor, cache: KVCache, q_seqlens: torch.Tensor | None, last_only: bool,
                  num_tokens: int | None, max_seqlen: int | None, min_seqlen: int | None, return_hidden: bool,
-                 tree_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 tree_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                 hidden_only: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -307,6 +314,8 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i, step)
         cache.advance(T if q_seqlens is None else q_seqlens)
+        if hidden_only:
+            return step.unpack(x)
         hidden = step.unpack(x) if return_hidden else None
         if last_only:  # each row's last real token
             if q_seqlens is None:
