@@ -300,8 +300,7 @@ class _ExitTrainer:
         """Draft-vocabulary logits [B, L, Vd] at every position."""
         B, L = batch.tokens.shape
         with torch.no_grad():
-            _, hidden = self.prefix(batch.tokens, self.prefix.new_cache(B, L), batch.lengths, last_only=True,
-                                    return_hidden=True)
+            hidden = self.prefix(batch.tokens, self.prefix.new_cache(B, L), batch.lengths, hidden_only=True)
         return _final_norm(self.target, self.head(hidden.float())) @ self.out_weight.T
 
     def losses(self, batch: _TokenBatch, settings: TrainSettings) -> tuple[torch.Tensor, dict]:
