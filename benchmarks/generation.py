@@ -454,8 +454,11 @@ def _per_prompt_rows(setup: Setup, B: int, max_new_tokens: int, ks, repeats: int
     return lines
 
 
+HEAD_TREES = ((4, 4), (6, 5))  # the trees table's (branches, depth) of the head's trees
+
+
 def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), branches=(2, 4),
-                head_trees=((4, 4), (6, 5)), repeats: int = 3, pack: bool = True, device: str = "cpu",
+                head_trees=HEAD_TREES, repeats: int = 3, pack: bool = True, device: str = "cpu",
                 dtype: torch.dtype = torch.float32, random_weights: str | None = None) -> str:
     """Token trees against chains at equal verify width, on held-out prompts (`held_out_prompts`;
     batch 1 answers each in turn, a batch of b rows the first b): prompt lookup as a chain
@@ -832,6 +835,9 @@ if __name__ == "__main__":
                         help="our loops driving transformers' own model and draft against transformers' generation")
     parser.add_argument("--trees", action="store_true",
                         help="prompt-lookup and trained-head trees against chains at equal verify width (no HF runs)")
+    parser.add_argument("--head-trees", nargs="+", default=None, metavar="B,D",
+                        help="--trees: the head's trees as (branches, depth) (default: "
+                             + " ".join(",".join(map(str, c)) for c in HEAD_TREES) + ")")
     parser.add_argument("--jacobi", action="store_true", help="jacobi_generate against our plain generate")
     parser.add_argument("--lookahead", action="store_true",
                         help="lookahead_generate (fixed and adaptive) against our plain generate, copy-heavy and "
@@ -853,6 +859,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.per_prompt and not args.speculation:
         parser.error("--per-prompt times the --speculation table: give both")
+    if args.head_trees is not None and not args.trees:
+        parser.error("--head-trees sets the --trees table's head trees: give both")
     if args.heads:
         print(heads_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
                           head=args.head, exit_head=args.exit_head, open_prompts=args.open_prompts,
@@ -871,8 +879,11 @@ if __name__ == "__main__":
                            device=args.device, dtype=getattr(torch, args.dtype), random_weights=args.random_weights))
         raise SystemExit(0)
     if args.trees:
-        print(trees_table(args.max_new_tokens, tuple(args.batch_sizes), repeats=args.repeats, pack=not args.no_pack,
-                          device=args.device, dtype=getattr(torch, args.dtype), random_weights=args.random_weights))
+        head_trees = (HEAD_TREES if args.head_trees is None else
+                      tuple(tuple(int(x) for x in c.split(",")) for c in args.head_trees))
+        print(trees_table(args.max_new_tokens, tuple(args.batch_sizes), head_trees=head_trees, repeats=args.repeats,
+                          pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),
+                          random_weights=args.random_weights))
         raise SystemExit(0)
     if args.hf_models:
         print(hf_models_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, device=args.device,
