@@ -687,7 +687,8 @@ LOOKUP_FIRST_K = 7
 
 def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
                 head: str | None = None, exit_head: str | None = None, open_prompts: bool = False,
-                matmul_dtypes: tuple[torch.dtype | None, ...] = (None,)) -> str:
+                matmul_dtypes: tuple[torch.dtype | None, ...] = (None,), head_tree: tuple[int, int] | None = None
+                ) -> str:
     """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``), the
     head behind prompt lookup (`LookupFirstDraft`: K = `LOOKUP_FIRST_K`, the head asked for at
     most ``k``), an `ExitHead` file ``exit_head`` if given, and prompt lookup against our plain
@@ -700,7 +701,9 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     Leviathan's prediction and the efficiency (as in `table`, for fixed K), the mean draft
     length. ``matmul_dtypes``: the feature heads' (`FeatureHeadDraft`'s ``matmul_dtype``; None:
     its default), each with its own rows where more than one is given; the exit head keeps its
-    default. A markdown table plus the machine line."""
+    default. ``head_tree``: (branches, depth) of the head's dynamic trees, also timed, at K =
+    `LOOKUP_FIRST_K` (verify width 8; no prediction for trees). A markdown table plus the machine
+    line."""
     from benchmarks.timing import machine_line
     from specdec_kernels import (
         ExitHead,
@@ -725,6 +728,11 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     drafters["prompt lookup"] = (PromptLookupDraft(), k)
     drafters.update({f"trained head, lookup first{suffix}": (LookupFirstDraft(drafter, draft_tokens=k), LOOKUP_FIRST_K)
                      for suffix, drafter in heads.items()})
+    if head_tree is not None:
+        branches, depth = head_tree
+        tree = (load_smollm2_draft(setup.model, branches=branches, depth=depth) if head is None
+                else FeatureHeadDraft(setup.model, FeatureHead.load(head), branches=branches, depth=depth))
+        drafters[f"trained head, tree of {branches} branches, depth {depth}"] = (tree, LOOKUP_FIRST_K)
     if exit_head is not None:
         drafters["early-exit head"] = (ExitHeadDraft(setup.model, ExitHead.load(exit_head)), k)
     prompts = OPEN_PROMPTS if open_prompts else held_out_prompts()
@@ -744,9 +752,9 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
             target_step = plain.stats.time_target_s / (plain.stats.target_forwards - 1)
             v = st.time_target_s / (st.target_forwards - 1) / target_step
             c = st.time_draft_s / max(1, _run_total(st, st.num_proposed)) / target_step
-            # (Leviathan's i.i.d. prediction does not describe a mix of two drafts.)
-            mixed = isinstance(draft, LookupFirstDraft)
-            predicted, efficiency = leviathan(st, draft_k, plain.stats) if not (adaptive or mixed) else (None, None)
+            # (Leviathan's i.i.d. prediction describes chains of one draft: not a mix of two, nor trees.)
+            chain = not isinstance(draft, LookupFirstDraft) and getattr(draft, "branches", 1) == 1
+            predicted, efficiency = leviathan(st, draft_k, plain.stats) if chain and not adaptive else (None, None)
             kind = f"{'adaptive' if adaptive else 'fixed'}{f' (K = {draft_k})' if draft_k != k else ''}"
             lines.append(f"| {B} | {temperature:g} | {name} | {kind} | "
                          f"{speedups[name, adaptive]:.2f}x | {st.acceptance_rate:.1%} | "
@@ -854,6 +862,8 @@ if __name__ == "__main__":
     parser.add_argument("--head-matmul-dtypes", nargs="+", default=None, choices=["float32", "bfloat16"],
                         help="--heads: the head's matmul dtypes to compare, each with its own rows (default: "
                              "the head's default only)")
+    parser.add_argument("--head-tree", default=None, metavar="B,D",
+                        help="--heads: also the head's trees of B branches and depth D, at K = 7")
     parser.add_argument("--open-prompts", action="store_true",
                         help="--heads: the open prompts (new text, little to copy) instead of the held-out ones")
     args = parser.parse_args()
@@ -861,11 +871,15 @@ if __name__ == "__main__":
         parser.error("--per-prompt times the --speculation table: give both")
     if args.head_trees is not None and not args.trees:
         parser.error("--head-trees sets the --trees table's head trees: give both")
+    if args.head_tree is not None and not args.heads:
+        parser.error("--head-tree adds trees to the --heads table: give both")
     if args.heads:
         print(heads_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
                           head=args.head, exit_head=args.exit_head, open_prompts=args.open_prompts,
                           matmul_dtypes=(None,) if args.head_matmul_dtypes is None
-                          else tuple(getattr(torch, d) for d in args.head_matmul_dtypes)))
+                          else tuple(getattr(torch, d) for d in args.head_matmul_dtypes),
+                          head_tree=None if args.head_tree is None
+                          else tuple(int(x) for x in args.head_tree.split(","))))
         raise SystemExit(0)
     if args.lookahead:
         configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else
