@@ -702,7 +702,8 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     length. ``matmul_dtypes``: the feature heads' (`FeatureHeadDraft`'s ``matmul_dtype``; None:
     its default), each with its own rows where more than one is given; the exit head keeps its
     default. ``head_tree``: (branches, depth) of the head's dynamic trees, also timed, at K =
-    `LOOKUP_FIRST_K` (verify width 8; no prediction for trees). A markdown table plus the machine
+    `LOOKUP_FIRST_K` (verify width 8; no prediction for trees), with the head's default matmul
+    dtype only. A markdown table plus the machine
     line."""
     from benchmarks.timing import machine_line
     from specdec_kernels import (
@@ -820,6 +821,17 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
             f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
 
 
+def _branches_and_depth(text: str) -> tuple[int, int]:
+    """A tree option's "B,D": two positive ints, branches and depth."""
+    try:
+        branches, depth = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B,D (branches, depth: two ints), got {text!r}") from None
+    if branches < 1 or depth < 1:
+        raise argparse.ArgumentTypeError(f"branches and depth must be >= 1, got {text!r}")
+    return branches, depth
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m benchmarks.generation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -843,7 +855,7 @@ if __name__ == "__main__":
                         help="our loops driving transformers' own model and draft against transformers' generation")
     parser.add_argument("--trees", action="store_true",
                         help="prompt-lookup and trained-head trees against chains at equal verify width (no HF runs)")
-    parser.add_argument("--head-trees", nargs="+", default=None, metavar="B,D",
+    parser.add_argument("--head-trees", nargs="+", type=_branches_and_depth, default=None, metavar="B,D",
                         help="--trees: the head's trees as (branches, depth) (default: "
                              + " ".join(",".join(map(str, c)) for c in HEAD_TREES) + ")")
     parser.add_argument("--jacobi", action="store_true", help="jacobi_generate against our plain generate")
@@ -862,8 +874,8 @@ if __name__ == "__main__":
     parser.add_argument("--head-matmul-dtypes", nargs="+", default=None, choices=["float32", "bfloat16"],
                         help="--heads: the head's matmul dtypes to compare, each with its own rows (default: "
                              "the head's default only)")
-    parser.add_argument("--head-tree", default=None, metavar="B,D",
-                        help="--heads: also the head's trees of B branches and depth D, at K = 7")
+    parser.add_argument("--head-tree", type=_branches_and_depth, default=None, metavar="B,D",
+                        help=f"--heads: also the head's trees of B branches and depth D, at K = {LOOKUP_FIRST_K}")
     parser.add_argument("--open-prompts", action="store_true",
                         help="--heads: the open prompts (new text, little to copy) instead of the held-out ones")
     args = parser.parse_args()
@@ -871,6 +883,8 @@ if __name__ == "__main__":
         parser.error("--per-prompt times the --speculation table: give both")
     if args.head_trees is not None and not args.trees:
         parser.error("--head-trees sets the --trees table's head trees: give both")
+    if args.head_trees is not None and len(set(args.head_trees)) != len(args.head_trees):
+        parser.error("--head-trees: each B,D once")
     if args.head_tree is not None and not args.heads:
         parser.error("--head-tree adds trees to the --heads table: give both")
     if args.heads:
@@ -878,8 +892,7 @@ if __name__ == "__main__":
                           head=args.head, exit_head=args.exit_head, open_prompts=args.open_prompts,
                           matmul_dtypes=(None,) if args.head_matmul_dtypes is None
                           else tuple(getattr(torch, d) for d in args.head_matmul_dtypes),
-                          head_tree=None if args.head_tree is None
-                          else tuple(int(x) for x in args.head_tree.split(","))))
+                          head_tree=args.head_tree))
         raise SystemExit(0)
     if args.lookahead:
         configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else
@@ -893,8 +906,7 @@ if __name__ == "__main__":
                            device=args.device, dtype=getattr(torch, args.dtype), random_weights=args.random_weights))
         raise SystemExit(0)
     if args.trees:
-        head_trees = (HEAD_TREES if args.head_trees is None else
-                      tuple(tuple(int(x) for x in c.split(",")) for c in args.head_trees))
+        head_trees = HEAD_TREES if args.head_trees is None else tuple(args.head_trees)
         print(trees_table(args.max_new_tokens, tuple(args.batch_sizes), head_trees=head_trees, repeats=args.repeats,
                           pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),
                           random_weights=args.random_weights))

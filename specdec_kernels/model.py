@@ -276,7 +276,8 @@ class Llama(nn.Module):
 
         Returns:
             logits [B, T, V] (or [B, 1, V]) in the model's dtype; padded positions hold
-            meaningless values. With ``return_hidden``: (logits, hidden states [B, T, H]).
+            meaningless values. With ``return_hidden``: (logits, hidden states [B, T, H]). With
+            ``hidden_only``: the hidden states [B, T, H] alone.
         """
         if hidden_only and (last_only or return_hidden):
             raise ValueError("hidden_only=True returns the hidden states alone: last_only and return_hidden "

@@ -92,23 +92,32 @@ def test_last_only_and_verification_shapes():
         torch.testing.assert_close(last[b, 0], full[b, q[b] - 1])
 
 
-
-def test_hidden_only_returns_the_hidden_states_of_return_hidden_and_advances_the_cache():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "num_tokens"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_hidden_only_returns_the_hidden_states_of_return_hidden_and_fills_the_cache_alike(packed, tree):
     model = tiny_llama(seed=2)
     ids = torch.randint(0, 97, (3, 6))
     q = torch.tensor([6, 2, 4])
+    kwargs = {"num_tokens": int(q.sum())} if packed else {}
+    if tree:  # each token sees itself and a random subset of the earlier ones
+        kwargs["tree_mask"] = torch.eye(6, dtype=torch.bool) | (torch.rand(3, 6, 6, generator=torch.Generator()
+                                                                            .manual_seed(0)) < 0.5).tril()
     with torch.no_grad():
         with_logits, cache = model.new_cache(3, 16), model.new_cache(3, 16)
-        _, expected = model(ids, with_logits, q, return_hidden=True)
-        hidden = model(ids, cache, q, hidden_only=True)
+        _, expected = model(ids, with_logits, q, return_hidden=True, **kwargs)
+        hidden = model(ids, cache, q, hidden_only=True, **kwargs)
     assert hidden.shape == (3, 6, model.config.hidden_size)
+    assert cache.lengths.tolist() == with_logits.lengths.tolist() == [6, 2, 4]
     for b in range(3):  # padding positions hold meaningless values
-        torch.testing.assert_close(hidden[b, : q[b]], expected[b, : q[b]], rtol=0, atol=0)
-    assert cache.lengths.tolist() == [6, 2, 4]
-    torch.testing.assert_close(cache.k[0], with_logits.k[0], rtol=0, atol=0)
+        n = int(q[b])
+        torch.testing.assert_close(hidden[b, :n], expected[b, :n], rtol=0, atol=0)
+        for layer in range(model.config.num_hidden_layers):
+            torch.testing.assert_close(cache.k[layer][b, :n], with_logits.k[layer][b, :n], rtol=0, atol=0)
+            torch.testing.assert_close(cache.v[layer][b, :n], with_logits.v[layer][b, :n], rtol=0, atol=0)
     for conflicting in ({"last_only": True}, {"return_hidden": True}):
         with pytest.raises(ValueError, match="hidden_only"):
             model(ids, model.new_cache(3, 16), q, hidden_only=True, **conflicting)
+
 
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
 def test_num_tokens_skips_padding_with_the_same_results(kv_heads):
