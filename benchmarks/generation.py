@@ -703,8 +703,7 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     its default), each with its own rows where more than one is given; the exit head keeps its
     default. ``head_tree``: (branches, depth) of the head's dynamic trees, also timed, at K =
     `LOOKUP_FIRST_K` (verify width 8; no prediction for trees), with the head's default matmul
-    dtype only. A markdown table plus the machine
-    line."""
+    dtype only. A markdown table plus the machine line."""
     from benchmarks.timing import machine_line
     from specdec_kernels import (
         ExitHead,
