@@ -201,13 +201,19 @@ def predicted_speedup(a: float, k: int, c: float, v: float) -> float:
     return (1 - a ** (k + 1)) / ((1 - a) * (k * c + v))
 
 
+def _markdown(caption: str, header: str, rows: list[str]) -> str:
+    """A table as the benchmarks print it: the caption line, the machine line, then the markdown
+    ``header`` and ``rows``."""
+    from benchmarks.timing import machine_line
+
+    return f"{caption}\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(rows)
+
+
 def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
           device: str = "cpu", dtype: torch.dtype = torch.float32, cuda_graphs: bool = True,
           random_weights: str | None = None) -> str:
     """Run every comparison ``repeats`` times (interleaved, so load changes hit every method alike)
     and return a markdown table of medians plus the machine line."""
-    from benchmarks.timing import machine_line
-
     torch.manual_seed(0)
     setup = load_setup(pack, device, dtype, random_weights)
     cuda = torch.device(device).type == "cuda"
@@ -253,11 +259,11 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
     header = ("| batch | method | tokens/s | vs ours generate | vs HF generate | acceptance | "
               "measured c, v, decoding-phase speedup | efficiency |\n|---|---|---|---|---|---|---|---|")
     weights = _weights_name(random_weights)
-    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
-            f"{max_new_tokens} new tokens per row, K = {k}, "
-            f"median of {repeats} interleaved runs, our matmuls: {plan.describe() if plan else 'as loaded'}"
-            f"{', our decoding steps replayed as CUDA graphs' if cuda and cuda_graphs else ''}\n"
-            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
+    caption = (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+               f"{max_new_tokens} new tokens per row, K = {k}, "
+               f"median of {repeats} interleaved runs, our matmuls: {plan.describe() if plan else 'as loaded'}"
+               f"{', our decoding steps replayed as CUDA graphs' if cuda and cuda_graphs else ''}")
+    return _markdown(caption, header, rows)
 
 
 def leviathan(st, k: int, plain) -> tuple[float, float]:
@@ -348,8 +354,6 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
     draft length adaptive chose. Oracle: tokens per target forward, speedup, and the prediction
     with a = 1, ``(K + 1) / (K c + v)``.
     """
-    from benchmarks.timing import machine_line
-
     torch.manual_seed(0)
     setup = load_setup(pack, device, dtype, random_weights)
     lines = []
@@ -385,10 +389,11 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
               "of best fixed K's gain | acceptance (fixed) | predicted (fixed) | efficiency (fixed) | "
               "adaptive mean draft length |\n|---|---|---|---|---|---|---|---|---|---|---|")
     weights = _weights_name(random_weights)
-    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} "
-            f"new tokens per row (batch 1: each of the {len(PROMPTS)} prompts in turn), speedups: median over "
-            f"{repeats} interleaved rounds of the ratio to plain runs made around each run, layer draft: "
-            f"the first {DRAFT_LAYERS} of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+    caption = (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} "
+               f"new tokens per row (batch 1: each of the {len(PROMPTS)} prompts in turn), speedups: median over "
+               f"{repeats} interleaved rounds of the ratio to plain runs made around each run, layer draft: "
+               f"the first {DRAFT_LAYERS} of 30 layers")
+    return _markdown(caption, header, lines)
 
 
 def per_prompt_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8), repeats: int = 10,
@@ -404,18 +409,17 @@ def per_prompt_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8),
     round, as a server reuses one: costs carry from call to call as the package carries them.
     Every method's tokens are checked against plain's once (untimed, before the rounds).
     Returns a markdown table plus the machine line."""
-    from benchmarks.timing import machine_line
-
     torch.manual_seed(0)
     setup = load_setup(pack, device, dtype, random_weights)
     lines = [line for B in batch_sizes for line in _per_prompt_rows(setup, B, max_new_tokens, ks, repeats)]
     header = ("| batch | draft | K | fixed K vs plain (minima; medians) | adaptive vs plain (minima; medians) | "
               "adaptive keeps of best fixed K's gain (minima; medians) |\n|---|---|---|---|---|---|")
     weights = _weights_name(random_weights)
-    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} new tokens per "
-            f"row, batch 1: each of the {len(PROMPTS)} prompts; speedups: sums over prompts of the minimum and of "
-            f"the median of {repeats} interleaved runs, plain's over the method's; layer draft: the first "
-            f"{DRAFT_LAYERS} of 30 layers\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+    caption = (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} new tokens per "
+               f"row, batch 1: each of the {len(PROMPTS)} prompts; speedups: sums over prompts of the minimum and of "
+               f"the median of {repeats} interleaved runs, plain's over the method's; layer draft: the first "
+               f"{DRAFT_LAYERS} of 30 layers")
+    return _markdown(caption, header, lines)
 
 
 def _per_prompt_rows(setup: Setup, B: int, max_new_tokens: int, ks, repeats: int) -> list[str]:
@@ -469,7 +473,6 @@ def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), br
     table of medians plus the machine line. Columns: tokens per target forward (tree / chain of
     the same source), wall-clock speedups over plain and over the chain. Each run's tokens are
     checked against plain's (`_greedy_rows_note`)."""
-    from benchmarks.timing import machine_line
     from specdec_kernels import load_smollm2_draft
 
     torch.manual_seed(0)
@@ -505,10 +508,10 @@ def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), br
                                  f"{plain_s / seconds:.2f}x{note} | {versus[1]} |")
     header = ("| batch | verify width | source | draft | tokens per target forward | tree / chain | vs plain | "
               "vs chain |\n|---|---|---|---|---|---|---|---|")
-    return (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
-            f"{max_new_tokens} new tokens per row, {len(prompts)} held-out prompts (batch 1: one at a time), "
-            f"fixed draft lengths, median of {repeats} interleaved runs\n"
-            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+    caption = (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+               f"{max_new_tokens} new tokens per row, {len(prompts)} held-out prompts (batch 1: one at a time), "
+               f"fixed draft lengths, median of {repeats} interleaved runs")
+    return _markdown(caption, header, lines)
 
 
 NEAR_TIE = 2 ** -5  # reduced precision: a top-2 logit gap below this share of the top logit may flip
@@ -553,7 +556,6 @@ def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), r
     ``repeats`` times, interleaved): tokens per target forward and wall-clock speedup, medians;
     a markdown table plus the machine line. Each run's tokens are checked against plain's
     (`_greedy_rows_note`)."""
-    from benchmarks.timing import machine_line
 
     setup = load_setup(pack, device, dtype, random_weights)
     lines = []
@@ -565,9 +567,9 @@ def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), r
             note = _greedy_rows_note(setup, B, PROMPTS, out, plain, dtype, f"jacobi_generate(window={w})")
             lines.append(f"| {B} | {w} | {out.stats.tokens_per_target_forward:.3f} | {plain_s / seconds:.2f}x{note} |")
     header = "| batch | window | tokens per target forward | vs plain |\n|---|---|---|---|"
-    return (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
-            f"{max_new_tokens} new tokens per row, median of {repeats} interleaved runs\n"
-            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+    caption = (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+               f"{max_new_tokens} new tokens per row, median of {repeats} interleaved runs")
+    return _markdown(caption, header, lines)
 
 
 def run_lookahead(setup: Setup, batch_size: int, max_new_tokens: int, config: tuple | None, prompts=PROMPTS):
@@ -600,7 +602,6 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
     greedy, every method ``repeats`` times, interleaved; tokens per target forward and
     wall-clock speedup (`_interleaved_medians` with plain as the baseline); each run's tokens
     are checked against plain's (`_greedy_rows_note`). A markdown table plus the machine line."""
-    from benchmarks.timing import machine_line
 
     setup = load_setup(pack, device, dtype, random_weights)
     lines = []
@@ -623,9 +624,10 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
                              f"{speedup[m]:.2f}x{note} |")
     header = ("| batch | prompts | W, N, G | steps | tokens per target forward | candidate tokens verified per step | "
               "vs plain |\n|---|---|---|---|---|---|---|")
-    return (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
-            f"{max_new_tokens} new tokens per row, speedups: median over {repeats} interleaved rounds of the "
-            f"ratio to plain runs made around each run\nmachine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+    caption = (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+               f"{max_new_tokens} new tokens per row, speedups: median over {repeats} interleaved rounds of the "
+               f"ratio to plain runs made around each run")
+    return _markdown(caption, header, lines)
 
 
 def held_out_prompts(count: int = 8) -> tuple[str, ...]:
@@ -704,7 +706,6 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     default. ``head_tree``: (branches, depth) of the head's dynamic trees, also timed, at K =
     `LOOKUP_FIRST_K` (verify width 8; no prediction for trees), with the head's default matmul
     dtype only. A markdown table plus the machine line."""
-    from benchmarks.timing import machine_line
     from specdec_kernels import (
         ExitHead,
         ExitHeadDraft,
@@ -764,10 +765,10 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     header = ("| batch | temperature | draft | K | vs plain | acceptance | tokens per target forward | c | v | "
               "predicted (fixed K) | efficiency (fixed K) | mean draft length |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|")
-    return (f"SmolLM2-135M-Instruct float32 on cpu, {max_new_tokens} new tokens per row, K = {k} unless noted, "
-            f"{len(prompts)} {'open' if open_prompts else 'held-out'} prompts (batch 1: one at a time), "
-            f"speedups: median over {repeats} interleaved rounds of the ratio to plain runs made around each run\n"
-            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(lines))
+    caption = (f"SmolLM2-135M-Instruct float32 on cpu, {max_new_tokens} new tokens per row, K = {k} unless noted, "
+               f"{len(prompts)} {'open' if open_prompts else 'held-out'} prompts (batch 1: one at a time), "
+               f"speedups: median over {repeats} interleaved rounds of the ratio to plain runs made around each run")
+    return _markdown(caption, header, lines)
 
 
 def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int = 3,
@@ -778,8 +779,6 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
     generation with the same model and draft, the built-in `Llama` beside them; every method
     ``repeats`` times, interleaved; a markdown table of medians plus the machine line.
     ``cuda_graphs``: our loops replay their decoding forwards as CUDA graphs (on CUDA)."""
-    from benchmarks.timing import machine_line
-
     torch.manual_seed(0)
     setup = load_setup(True, device, dtype, random_weights)
     setup.cuda_graphs = None if cuda_graphs else False
@@ -813,11 +812,11 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
     weights = _weights_name(random_weights)
     prepared = "after HFCausalLM.pack_weights() unless noted" if packs else "as loaded"
     graphs = (", CUDA graphs" if cuda_graphs else ", eager") if device != "cpu" else ""
-    return (f"{weights} {str(dtype).removeprefix('torch.')} on {device} as transformers' LlamaForCausalLM "
-            f"(ours: {prepared}{graphs}), greedy, {max_new_tokens} new tokens per row, "
-            f"K = {k} (ours: adaptive lengths), median of {repeats} interleaved runs; transformers' assisted "
-            f"generation takes one row per call (batch 8 loops over rows)\n"
-            f"machine: {machine_line()}\n\n{header}\n" + "\n".join(rows))
+    caption = (f"{weights} {str(dtype).removeprefix('torch.')} on {device} as transformers' LlamaForCausalLM "
+               f"(ours: {prepared}{graphs}), greedy, {max_new_tokens} new tokens per row, "
+               f"K = {k} (ours: adaptive lengths), median of {repeats} interleaved runs; transformers' assisted "
+               f"generation takes one row per call (batch 8 loops over rows)")
+    return _markdown(caption, header, rows)
 
 
 def _branches_and_depth(text: str) -> tuple[int, int]:
