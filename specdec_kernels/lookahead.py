@@ -16,6 +16,9 @@ rows each hold three parts, under one ``tree_mask``:
   candidates are deterministic proposals).
 
 The accepted candidate's K/V are kept with `KVCache.compact`; the lookahead branch's are dropped.
+Where the pools already know the text, a *verify step* (the last token and the candidates, no
+lookahead branch) gains as much for fewer tokens: the adaptive switch (`LookaheadSwitch`)
+chooses each step's kind from the costs and gains it measures.
 The pools also take the prompt's n-grams and those of the text as it is generated, so text that
 repeats its prompt is found as prompt lookup finds it.
 
@@ -104,37 +107,43 @@ class NgramPool:
 
 
 #: A probe (a lookahead step the estimates advise against) may add at most this share to the
-#: time of the plain steps since the last lookahead step.
+#: time of the steps since the last lookahead step, priced as plain ones.
 PROBE_SHARE = 1 / 50
 #: The shadow's gain starts as this many (forgotten) samples of 0, so that the first few lucky
-#: matches do not start lookahead steps on text that rarely repeats.
+#: matches do not start wider steps on text that rarely repeats.
 GAIN_PRIOR_SAMPLES = 4
-#: A lookahead step must promise this many times a plain step's tokens per second: near a tie
-#: the estimates' noise would make the choice a coin toss that costs more than it gains.
+#: A wider step must promise this many times a plain step's tokens per second: near a tie the
+#: estimates' noise would make the choice a coin toss that costs more than it gains.
 MARGIN = 1.05
+#: The kinds of step `LookaheadSwitch.choose` returns: one token per row; the last token and the
+#: pool's candidates; the last token, the lookahead branch and the candidates.
+PLAIN, VERIFY, LOOKAHEAD = "plain", "verify", "lookahead"
 
 
 class LookaheadSwitch:
-    """Each step, a lookahead step or a plain one (one token per row), from what the run measured.
+    """Each step, a plain step (one token per row), a verify step (the rows' candidates, no
+    lookahead branch) or a lookahead step, from what the run measured.
 
     - **Gain**: the tokens a row with candidates gains beyond the one every step gives (forgotten
-      by `DECAY`). Lookahead steps measure it (from one sample of 0 on).
-      Plain steps measure it too, in the shadow: the candidates a row had at a plain step are
-      compared, once it has committed as many tokens more, with what it committed; their longest
-      common prefix is what verifying them would have accepted greedily (and, sampling, a first
-      candidate token is accepted as often as it is sampled). So the switch learns whether the
-      pools know the text without paying for lookahead steps to find out (from
-      `GAIN_PRIOR_SAMPLES` samples of 0 on, so that a few lucky matches start nothing). The two
-      are kept apart and the larger counts: the shadow sees only the text's n-grams, lookahead
-      steps also verify those their window found.
-    - **Cost**: the seconds of a plain step, and of each token a lookahead step adds to it
-      (forgotten by `COST_DECAY`; the first step of each kind, which pays one-time costs, is not
-      counted). Until a lookahead step is timed, a token is priced at the prefill's seconds per
-      token beyond a plain step's, so that a batch where wide steps cannot pay never runs one.
-    - **Choice**: plain steps until one is timed; then a lookahead step when a row has candidates
-      and ``(1 + gain * share) * plain_seconds >= MARGIN * lookahead_seconds``, ``share`` the
-      running rows with candidates; else a probe once the plain steps since the last lookahead
-      step took 1 / `PROBE_SHARE` times the extra seconds a lookahead step is expected to cost.
+      by `DECAY`), kept apart for verify steps, lookahead steps (from one sample of 0 on each)
+      and the shadow of plain steps: the candidates a row had at a plain step are compared, once
+      it has committed as many tokens more, with what it committed; their longest common prefix
+      is what verifying them would have accepted greedily (and, sampling, a first candidate
+      token is accepted as often as it is sampled). So the switch learns whether the pools know
+      the text without paying for wider steps to find out (from `GAIN_PRIOR_SAMPLES` samples of
+      0 on, so that a few lucky matches start nothing). A verify step's expected gain is the
+      larger of its own and the shadow's; a lookahead step verifies the same candidates and
+      its window feeds the pools, so its expected gain is the largest of the three.
+    - **Cost**: the seconds of a plain step, and of each token a verify or a lookahead step adds
+      to it, per kind (forgotten by `COST_DECAY`; the first step of each kind, which pays
+      one-time costs, is not counted). Until a kind is timed, its tokens are priced at the
+      prefill's seconds per token beyond a plain step's, so that a batch where wide steps cannot
+      pay never runs one.
+    - **Choice**: plain steps until one is timed; then, when a row has candidates, the wider
+      kind with the more tokens per second, ``(1 + gain * share) / seconds``, ``share`` the running
+      rows with candidates, if it promises `MARGIN` times a plain step's; else a lookahead step
+      as a probe once the steps since the last one took 1 / `PROBE_SHARE` times the extra seconds
+      a lookahead step is expected to cost; else a plain step.
 
     ``adaptive=False``: always lookahead. Host arithmetic on the numbers and tokens the loop's
     transfer brings: no synchronization.
@@ -143,21 +152,22 @@ class LookaheadSwitch:
     def __init__(self, adaptive: bool, ngram: int) -> None:
         self.adaptive, self.length = adaptive, ngram - 1
         self.plain = [0.0, 0.0]          # forgotten sums: plain step seconds, samples
-        self.per_token = [0.0, 0.0]      # forgotten sums: a lookahead step's seconds per added token, samples
+        # Forgotten sums per wider kind: a step's seconds per token it adds to a plain step, samples.
+        self.per_token = {VERIFY: [0.0, 0.0], LOOKAHEAD: [0.0, 0.0]}
         self.prefill_per_token = 0.0     # the prior of per_token
         self.prefill: tuple[float, int, int] | None = None  # seconds, tokens, rows
-        self.seen = {True: 0, False: 0}
-        # Forgotten sums (tokens gained beyond one, rows with candidates) of lookahead steps and
-        # of the shadow of plain steps.
-        self.gain = {True: [0.0, 1.0], False: [0.0, float(GAIN_PRIOR_SAMPLES)]}
+        self.seen = {PLAIN: 0, VERIFY: 0, LOOKAHEAD: 0}
+        # Forgotten sums (tokens gained beyond one, rows with candidates) of verify steps, of
+        # lookahead steps and of the shadow of plain steps.
+        self.gain = {VERIFY: [0.0, 1.0], LOOKAHEAD: [0.0, 1.0], PLAIN: [0.0, float(GAIN_PRIOR_SAMPLES)]}
         self.pending: dict[int, list[tuple[int, list[tuple[int, ...]]]]] = {}  # row -> (text length, candidates)
-        self.step: tuple[bool, list[bool], int, int] | None = None  # kind, rows with candidates, tokens, rows
-        self.plain_run = 0
+        self.step: tuple[str, list[bool], int, int] | None = None  # kind, rows with candidates, tokens, rows
+        self.since_lookahead = 0  # steps since the last lookahead step
         self.slow_calls = GraphedForward.slow_calls  # graphed forwards that did not replay, so far
 
     def prefilled(self, seconds: float, tokens: int, rows: int) -> None:
         """The prefill's seconds over ``tokens`` prompt tokens in ``rows`` rows: the price of a
-        lookahead step's tokens until one is timed (once a plain step is)."""
+        wider step's tokens until one of its kind is timed (once a plain step is)."""
         self.prefill = (seconds, tokens, rows)
 
     def observe(self, seconds: float, gained: list[int]) -> None:
@@ -170,48 +180,65 @@ class LookaheadSwitch:
         (kind, had, tokens, rows), self.step = self.step, None
         self.seen[kind] += 1
         if self.seen[kind] > 1 and slow_calls == self.slow_calls:
-            if not kind:
+            if kind == PLAIN:
                 self.plain[0], self.plain[1] = COST_DECAY * self.plain[0] + seconds, COST_DECAY * self.plain[1] + 1
                 if self.plain[1] == 1 and self.prefill is not None:
                     t, n, b = self.prefill
                     self.prefill_per_token = max(0.0, t - seconds) / max(n - b, 1)
             elif self.plain[1] and tokens > rows:
                 extra = max(0.0, seconds - self._plain_seconds()) / (tokens - rows)
-                self.per_token = [COST_DECAY * self.per_token[0] + extra, COST_DECAY * self.per_token[1] + 1]
-        if kind:
-            self._gained(True, [g for g, h in zip(gained, had, strict=True) if h])
+                total, samples = self.per_token[kind]
+                self.per_token[kind] = [COST_DECAY * total + extra, COST_DECAY * samples + 1]
+        if kind != PLAIN:
+            self._gained(kind, [g for g, h in zip(gained, had, strict=True) if h])
 
     def choose(self, rows: list[int], candidates: list[list[tuple[int, ...]]], texts: list[list[int]],
-               tokens: int) -> bool:
-        """Whether the next step is a lookahead step. ``rows``: the running input rows;
-        ``candidates[i]``: row ``rows[i]``'s candidates; ``texts[row]``: each row's committed
-        tokens; ``tokens``: the lookahead step's input tokens, all rows together."""
+               lookahead_tokens: int, verify_tokens: int) -> str:
+        """The next step's kind: `PLAIN`, `VERIFY` or `LOOKAHEAD`. ``rows``: the running input
+        rows; ``candidates[i]``: row ``rows[i]``'s candidates; ``texts[row]``: each row's
+        committed tokens; ``lookahead_tokens`` and ``verify_tokens``: the input tokens of a
+        lookahead and of a verify step, all rows together."""
         self._resolve(rows, texts)
         has = [bool(c) for c in candidates]
         share = sum(has) / len(has)
         if not self.adaptive:
-            choice = True
+            kind = LOOKAHEAD
         elif not self.plain[1] or not share:
-            choice = False  # plain steps are timed first; without candidates nothing can be gained
+            kind = PLAIN  # plain steps are timed first; without candidates nothing can be gained
         else:
             plain_s = self._plain_seconds()
-            per_token = self.per_token[0] / self.per_token[1] if self.per_token[1] else self.prefill_per_token
-            lookahead_s = plain_s + per_token * max(0, tokens - len(rows))
-            gain = max(total / weight for total, weight in self.gain.values())
-            probe = self.plain_run * plain_s * PROBE_SHARE >= lookahead_s - plain_s
-            choice = (1 + gain * share) * plain_s >= MARGIN * lookahead_s or probe
-        if not choice:  # measure in the shadow what verifying the candidates would have gained
+            seconds = {VERIFY: self._seconds(VERIFY, verify_tokens, len(rows)),
+                       LOOKAHEAD: self._seconds(LOOKAHEAD, lookahead_tokens, len(rows))}
+            gain = {VERIFY: max(self._mean_gain(PLAIN), self._mean_gain(VERIFY))}
+            gain[LOOKAHEAD] = max(gain[VERIFY], self._mean_gain(LOOKAHEAD))
+            best = max((VERIFY, LOOKAHEAD), key=lambda k: (1 + gain[k] * share) / seconds[k])
+            probe = self.since_lookahead * plain_s * PROBE_SHARE >= seconds[LOOKAHEAD] - plain_s
+            if (1 + gain[best] * share) * plain_s >= MARGIN * seconds[best]:
+                kind = best
+            else:
+                kind = LOOKAHEAD if probe else PLAIN
+        if kind == PLAIN:  # measure in the shadow what verifying the candidates would have gained
             for row, c in zip(rows, candidates, strict=True):
                 if c:
                     self.pending.setdefault(row, []).append((len(texts[row]), c))
-        self.plain_run = 0 if choice else self.plain_run + 1
-        self.step = (choice, has, tokens if choice else len(rows), len(rows))
-        return choice
+        self.since_lookahead = 0 if kind == LOOKAHEAD else self.since_lookahead + 1
+        tokens = {PLAIN: len(rows), VERIFY: verify_tokens, LOOKAHEAD: lookahead_tokens}[kind]
+        self.step = (kind, has, tokens, len(rows))
+        return kind
 
     def _plain_seconds(self) -> float:
         return self.plain[0] / self.plain[1]
 
-    def _gained(self, kind: bool, samples: list[int]) -> None:
+    def _seconds(self, kind: str, tokens: int, rows: int) -> float:
+        """A step of ``kind`` over ``tokens`` input tokens in ``rows`` rows, as priced now."""
+        total, samples = self.per_token[kind]
+        return self._plain_seconds() + (total / samples if samples else self.prefill_per_token) * max(0, tokens - rows)
+
+    def _mean_gain(self, kind: str) -> float:
+        total, weight = self.gain[kind]
+        return total / weight
+
+    def _gained(self, kind: str, samples: list[int]) -> None:
         gain = self.gain[kind]
         gain[0] = DECAY ** len(samples) * gain[0] + sum(samples)
         gain[1] = DECAY ** len(samples) * gain[1] + len(samples)
@@ -231,7 +258,7 @@ class LookaheadSwitch:
             if waiting:
                 pending[row] = waiting
         self.pending = pending
-        self._gained(False, samples)
+        self._gained(PLAIN, samples)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -302,13 +329,14 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         ngram: N >= 2, the n-gram size: N - 1 lookahead levels and candidates of N - 1 tokens.
         guesses: G >= 1, the most candidates verified per row and step (and kept per key).
         pool_size: the most first tokens a row's pool keeps.
-        adaptive: choose each step between a lookahead step and a plain one from the measured
-            costs and gains (`LookaheadSwitch`), so that lookahead costs little where it does
-            not pay; False: every step is a lookahead step.
+        adaptive: choose each step between a lookahead step, a verify step (the candidates
+            without the lookahead branch) and a plain one from the measured costs and gains
+            (`LookaheadSwitch`), so that lookahead costs little where it does not pay; False:
+            every step is a lookahead step.
 
     A lookahead step scores T = 1 + W * (N - 1) + n tokens per row, n the most candidate tree
     nodes any row has that step (at most G * (N - 1): candidates sharing a prefix share its
-    nodes; 0 when no row's pool knows its last token); a plain step one. The
+    nodes; 0 when no row's pool knows its last token); a verify step 1 + n; a plain step one. The
     defaults are the best all-round setting measured on a 2-core CPU (docs/performance.md); on
     a GPU, where a wider forward costs little more, wider windows pay.
 
@@ -410,7 +438,8 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             b = len(running)
             trees = [candidate_tree(c) for c in candidates]
             n = max(len(tokens) for tokens, _ in trees)
-            if not switch.choose(host_rows, candidates, texts, b * (P + n)):
+            kind = switch.choose(host_rows, candidates, texts, b * (P + n), b * (1 + n))
+            if kind == PLAIN:
                 with timer("target"):
                     logits = plain_step(token[:, None], cache, max_seqlen=longest + 1, min_seqlen=shortest + 1)
                 stats.target_forwards += 1
@@ -424,10 +453,13 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             num_nodes = [len(tokens) for tokens, _ in trees]
             for row, count in zip(host_rows, num_nodes, strict=True):
                 stats.draft_lengths[row, count] += 1  # steps by candidate tokens verified
-            T = P + n
-            ids = torch.cat([token[:, None], levels.reshape(b, W * L)], 1)
+            # A verify step's input is the last token and the candidates; a lookahead step's has
+            # the lookahead branch between them.
+            branch = P if kind == LOOKAHEAD else 1
+            T = branch + n
+            ids = token[:, None] if kind == VERIFY else torch.cat([token[:, None], levels.reshape(b, W * L)], 1)
             mask = torch.zeros(b, T, T, dtype=torch.bool, device=device)
-            mask[:, :P, :P] = branch_mask
+            mask[:, :branch, :branch] = branch_mask[:branch, :branch]
             if n:  # the candidate trees: tokens, parents and ancestor masks, padded to n nodes, in one copy
                 host = [t for tokens, _ in trees for t in tokens + [0] * (n - len(tokens))]
                 host += [q for _, parents in trees for q in parents + [-1] * (n - len(parents))]
@@ -435,24 +467,27 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                 host = _host_list_to(host, device)
                 ids = torch.cat([ids, host[: b * n].view(b, n)], 1)
                 parents = host[b * n: 2 * b * n].view(b, n)
-                mask[:, P:, 0] = True
-                mask[:, P:, P:] = host[2 * b * n:].view(b, n, n) != 0
+                mask[:, branch:, 0] = True
+                mask[:, branch:, branch:] = host[2 * b * n:].view(b, n, n) != 0
             with timer("target"):
                 start = cache.lengths.clone()
                 logits = check("model", V, _forward(model, ids, cache, max_seqlen=longest + T, min_seqlen=shortest + T,
                                                     tree_mask=mask))
             stats.target_forwards += 1
             with timer("sampler"):
-                last = logits[:, 1 + (L - 1) * W: P].argmax(-1)                  # [b, W]: after the last level
-                grams = torch.cat([levels.transpose(1, 2), last[..., None]], 2)  # [b, W, N]: column n-grams
-                levels = torch.cat([levels[:, 1:], last[:, None]], 1)
+                if kind == LOOKAHEAD:
+                    last = logits[:, 1 + (L - 1) * W: P].argmax(-1)                  # [b, W]: after the last level
+                    grams = torch.cat([levels.transpose(1, 2), last[..., None]], 2)  # [b, W, N]: column n-grams
+                    levels = torch.cat([levels[:, 1:], last[:, None]], 1)
+                else:  # the window waits for the next lookahead step
+                    grams = grams[:, :0]
                 if n:
                     nodes = _host_list_to(num_nodes, device)
                     result = tree_rejection_sample(
-                        torch.cat([logits[:, :1], logits[:, P:]], 1), None, ids[:, P:], parents, nodes,
+                        torch.cat([logits[:, :1], logits[:, branch:]], 1), None, ids[:, branch:], parents, nodes,
                         **request.sampling, generator=request.generator, validate=False)
                     new, accepted = result.token_ids.clamp(min=0), result.num_accepted
-                    path = torch.where(result.path >= 0, result.path + P, 0)
+                    path = torch.where(result.path >= 0, result.path + branch, 0)
                     cache.compact(torch.cat([torch.zeros_like(accepted)[:, None], path], 1), accepted + 1, start=start)
                     stats.num_proposed[rows] += nodes
                 else:

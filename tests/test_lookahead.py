@@ -12,6 +12,9 @@ from specdec_kernels import generate, lookahead_generate
 from specdec_kernels._draft_lengths import DECAY
 from specdec_kernels.lookahead import (
     GAIN_PRIOR_SAMPLES,
+    LOOKAHEAD,
+    PLAIN,
+    VERIFY,
     LookaheadSwitch,
     NgramPool,
     _ancestors,
@@ -122,12 +125,14 @@ class Successor(torch.nn.Module):
         return logits + self.bonus * torch.nn.functional.one_hot((input_ids + 1) % V, V)
 
 
-def test_sampling_follows_the_target():
+@pytest.mark.parametrize("steps", [[LOOKAHEAD], [VERIFY]])
+def test_sampling_follows_the_target(forced_kinds, steps):
     """The first two sampled tokens of many copies of one prompt: their joint distribution is the
-    target's (chi-square). The prompt holds every token followed by two different continuations
-    (its successor, which the model favours, and a random one), so each row's second token comes
-    from a step verifying two sibling candidates after its first: accepted often, rejected often
-    (then sampled from the residual)."""
+    target's (chi-square), with lookahead steps and with verify steps. The prompt holds every
+    token followed by two different continuations (its successor, which the model favours, and a
+    random one), so each row's second token comes from a step verifying two sibling candidates
+    after its first: accepted often, rejected often (then sampled from the residual)."""
+    forced_kinds(steps)
     model = Successor(tiny_llama(seed=1, scale=3.0, layers=2), bonus=5.0)
     shuffled = torch.randperm(V, generator=torch.Generator().manual_seed(0))
     prompt = torch.cat([torch.arange(V), shuffled])[None]  # (rows x prompt^2 attention scores: keep both small)
@@ -223,13 +228,15 @@ def test_a_non_bool_adaptive_is_refused(target):
         lookahead_generate(target, ids, mask, max_new_tokens=4, adaptive="yes")
 
 
+
+
 def _switch_after_two_plain_steps(prefill_seconds: float, plain_seconds: float = 0.01) -> LookaheadSwitch:
     """A switch for one row (N = 3) whose plain steps are timed, after a 101-token prefill."""
     switch = LookaheadSwitch(adaptive=True, ngram=3)
     switch.prefilled(prefill_seconds, 101, 1)
     text = [1, 2, 3]
     for _ in range(2):  # the first plain step is not timed
-        assert not switch.choose([0], [[]], [text], 5)
+        assert switch.choose([0], [[]], [text], 5, 1) == PLAIN
         switch.observe(plain_seconds, [0])
     return switch
 
@@ -239,32 +246,81 @@ def test_the_switch_learns_the_gain_in_the_shadow_of_plain_steps():
     their longest common prefix with what it committed."""
     switch = _switch_after_two_plain_steps(prefill_seconds=100.0)  # wide steps priced out: plain
     texts = {0: [1, 2, 3]}
-    assert not switch.choose([0], [[(4, 5), (4, 9)]], texts, 7)
+    assert switch.choose([0], [[(4, 5), (4, 9)]], texts, 7, 3) == PLAIN
     switch.observe(0.01, [0])
     texts[0] += [4]
-    assert not switch.choose([0], [[(7, 7)]], texts, 7)  # one token committed since: not scored yet
-    assert switch.gain[False][0] == 0
+    assert switch.choose([0], [[(7, 7)]], texts, 7, 3) == PLAIN  # one token committed since: not scored yet
+    assert switch.gain[PLAIN][0] == 0
     switch.observe(0.01, [0])
     texts[0] += [9]  # (4, 9) matches both committed tokens; (7, 7) waits for a second token
-    switch.choose([0], [[]], texts, 5)
-    assert switch.gain[False] == pytest.approx([2.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
+    switch.choose([0], [[]], texts, 5, 1)
+    assert switch.gain[PLAIN] == pytest.approx([2.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
     texts[0] += [7]
-    switch.choose([0], [[]], texts, 5)
-    assert switch.gain[False] == pytest.approx([2.0 * DECAY, GAIN_PRIOR_SAMPLES * DECAY ** 2 + DECAY + 1])  # a 0
+    switch.choose([0], [[]], texts, 5, 1)
+    assert switch.gain[PLAIN] == pytest.approx([2.0 * DECAY, GAIN_PRIOR_SAMPLES * DECAY ** 2 + DECAY + 1])  # a 0
 
 
 def test_the_switch_takes_lookahead_steps_only_where_they_pay():
     cheap = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.0001)  # a token: 1% of a plain step
     costly = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.01)   # a token: a plain step
     for switch in (cheap, costly):
-        switch.gain[True] = [8.0, 8.0]  # every row with candidates gained a token in lookahead steps
-    assert not cheap.choose([0], [[]], {0: [1, 2, 3]}, 5)  # nothing to verify
+        switch.gain[LOOKAHEAD] = [8.0, 8.0]  # every row with candidates gained a token in lookahead steps
+    assert cheap.choose([0], [[]], {0: [1, 2, 3]}, 5, 1) == PLAIN  # nothing to verify
     cheap.observe(0.01, [0])
-    assert cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4]}, 7)
-    assert not costly.choose([0], [[(4, 5)]], {0: [1, 2, 3]}, 7)
+    assert cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4]}, 7, 3) == LOOKAHEAD
+    assert costly.choose([0], [[(4, 5)]], {0: [1, 2, 3]}, 7, 3) == PLAIN
     # Once a lookahead step is timed, its own cost decides: here it costs 6 plain steps.
     cheap.observe(0.02, [1])  # the first lookahead step: not timed
-    assert cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4, 5, 6]}, 7)
+    assert cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4, 5, 6]}, 7, 3) == LOOKAHEAD
     cheap.observe(0.06, [1])
-    assert not cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4, 5, 6, 7, 8]}, 7)
-    assert LookaheadSwitch(adaptive=False, ngram=3).choose([0], [[]], {0: [1]}, 5)
+    assert cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4, 5, 6, 7, 8]}, 7, 3) == PLAIN
+    assert LookaheadSwitch(adaptive=False, ngram=3).choose([0], [[]], {0: [1]}, 5, 1) == LOOKAHEAD
+
+
+def test_the_switch_verifies_without_the_window_where_only_the_candidates_pay():
+    """A token costs a fifth of a plain step: a verify step (3 tokens) gaining one token pays,
+    a lookahead step (7 tokens) must gain three to beat it; once verify steps are timed dearer,
+    plain steps win."""
+    switch = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.002)
+    switch.gain[PLAIN] = [8.0, 8.0]  # the shadow: a row with candidates would gain a token
+    texts, candidates = {0: [1, 2, 3]}, [[(4, 5)]]
+    assert switch.choose([0], candidates, texts, 7, 3) == VERIFY
+    switch.gain[LOOKAHEAD] = [16.0, 8.0]  # 3 tokens in 0.022 s against 2 in 0.014 s: still verify
+    assert switch.choose([0], candidates, texts, 7, 3) == VERIFY
+    switch.gain[LOOKAHEAD] = [24.0, 8.0]  # 4 tokens in 0.022 s
+    assert switch.choose([0], candidates, texts, 7, 3) == LOOKAHEAD
+    switch.gain[LOOKAHEAD] = [0.0, 1.0]
+    assert switch.choose([0], candidates, texts, 7, 3) == VERIFY
+    switch.observe(0.03, [1])  # the first verify step: not timed
+    assert switch.choose([0], candidates, texts, 7, 3) == VERIFY
+    switch.observe(0.03, [1])  # 0.01 s a token: 2 tokens in 0.03 s lose to a plain step's 1 in 0.01 s
+    assert switch.gain[VERIFY][0] > 0
+    assert switch.choose([0], candidates, texts, 7, 3) == PLAIN
+
+
+@pytest.fixture
+def forced_kinds(monkeypatch):
+    """Make the switch return the given kinds in turn (its estimates unused)."""
+
+    def force(kinds):
+        turn = iter(range(10**6))
+
+        def choose(self, rows, candidates, texts, lookahead_tokens, verify_tokens):
+            self.step = None
+            return kinds[next(turn) % len(kinds)]
+
+        monkeypatch.setattr(LookaheadSwitch, "choose", choose)
+
+    return force
+
+
+@pytest.mark.parametrize("kinds", [[VERIFY], [VERIFY, LOOKAHEAD, PLAIN], [LOOKAHEAD, VERIFY, VERIFY, PLAIN, LOOKAHEAD]])
+def test_verify_and_plain_steps_between_lookahead_steps_equal_greedy_generate(target, forced_kinds, kinds):
+    """Verify steps (candidates only) and plain steps leave the window as it was: any order of
+    the three kinds gives greedy generate's tokens, and the verify steps accept candidates."""
+    forced_kinds(kinds)
+    ids, mask = repetitive_prompts(B=5, seed=2)
+    plain = generate(target, ids, mask, max_new_tokens=24, temperature=0)
+    out = lookahead_generate(target, ids, mask, window=3, ngram=3, guesses=4, max_new_tokens=24)
+    assert torch.equal(out.tokens, plain.tokens)
+    assert out.stats.num_accepted.sum() > 0
