@@ -22,11 +22,12 @@ chooses each step's kind from the costs and gains it measures.
 The pools also take the prompt's n-grams and those of the text as it is generated, so text that
 repeats its prompt is found as prompt lookup finds it.
 
-The pools live on the host: each step's one transfer reads the committed tokens and the W new
-n-grams of every row, and the candidates go back in one copy (no host sync per row). A pool keeps
-at most ``pool_size`` first tokens per row, each with its ``guesses`` most recent continuations
-of N - 1 tokens: at most ``pool_size * (1 + guesses * (N - 1))`` token ids per row (with the
-defaults 4096 * 9, held as Python tuples of ints: a few MB per row at most).
+The pools live on the host: each step's one transfer reads the committed tokens of every row
+and, after a lookahead step, its W new n-grams, and the candidates go back in one copy (no
+host sync per row). A pool keeps at most ``pool_size`` first tokens per row, each with its
+``guesses`` most recent continuations of N - 1 tokens: at most ``pool_size * (1 + guesses *
+(N - 1))`` token ids per row (with the defaults 4096 * 9, held as Python tuples of ints: a few
+MB per row at most).
 """
 
 from __future__ import annotations
@@ -125,15 +126,15 @@ class LookaheadSwitch:
     lookahead branch) or a lookahead step, from what the run measured.
 
     - **Gain**: the tokens a row with candidates gains beyond the one every step gives (forgotten
-      by `DECAY`), kept apart for verify steps, lookahead steps (from one sample of 0 on each)
-      and the shadow of plain steps: the candidates a row had at a plain step are compared, once
-      it has committed as many tokens more, with what it committed; their longest common prefix
-      is what verifying them would have accepted greedily (and, sampling, a first candidate
-      token is accepted as often as it is sampled). So the switch learns whether the pools know
-      the text without paying for wider steps to find out (from `GAIN_PRIOR_SAMPLES` samples of
-      0 on, so that a few lucky matches start nothing). A verify step's expected gain is the
-      larger of its own and the shadow's; a lookahead step verifies the same candidates and
-      its window feeds the pools, so its expected gain is the largest of the three.
+      by `DECAY`), kept apart for the candidates alone and for lookahead steps (from one sample
+      of 0 on). The candidates' gain is measured by verify steps and in the shadow of plain
+      steps: the candidates a row had at a plain step are compared, once it has committed as
+      many tokens more, with what it committed; their longest common prefix is what verifying
+      them would have accepted greedily (and, sampling, a first candidate token is accepted as
+      often as it is sampled). So the switch learns whether the pools know the text without
+      paying for wider steps to find out (from `GAIN_PRIOR_SAMPLES` samples of 0 on, so that a
+      few lucky matches start nothing). A lookahead step verifies the same candidates and its
+      window feeds the pools: its expected gain is the larger of the two.
     - **Cost**: the seconds of a plain step, and of each token a verify or a lookahead step adds
       to it, per kind (forgotten by `COST_DECAY`; the first step of each kind, which pays
       one-time costs, is not counted). Until a kind is timed, its tokens are priced at the
@@ -141,9 +142,12 @@ class LookaheadSwitch:
       pay never runs one.
     - **Choice**: plain steps until one is timed; then, when a row has candidates, the wider
       kind with the more tokens per second, ``(1 + gain * share) / seconds``, ``share`` the running
-      rows with candidates, if it promises `MARGIN` times a plain step's; else a lookahead step
-      as a probe once the steps since the last one took 1 / `PROBE_SHARE` times the extra seconds
-      a lookahead step is expected to cost; else a plain step.
+      rows with candidates, if it promises `MARGIN` times a plain step's tokens per second, else
+      a plain step. A step of the other kinds is a probe, to measure what the estimates may have
+      wrong, once the steps since the last one of its kind took 1 / `PROBE_SHARE` times the
+      extra seconds it is expected to cost: a lookahead step (whose window may find what the
+      candidates miss) in place of a verify or plain step, a verify step in place of a plain
+      one where the candidates' gain would pay at no cost.
 
     ``adaptive=False``: always lookahead. Host arithmetic on the numbers and tokens the loop's
     transfer brings: no synchronization.
@@ -157,12 +161,12 @@ class LookaheadSwitch:
         self.prefill_per_token = 0.0     # the prior of per_token
         self.prefill: tuple[float, int, int] | None = None  # seconds, tokens, rows
         self.seen = {PLAIN: 0, VERIFY: 0, LOOKAHEAD: 0}
-        # Forgotten sums (tokens gained beyond one, rows with candidates) of verify steps, of
-        # lookahead steps and of the shadow of plain steps.
-        self.gain = {VERIFY: [0.0, 1.0], LOOKAHEAD: [0.0, 1.0], PLAIN: [0.0, float(GAIN_PRIOR_SAMPLES)]}
+        # Forgotten sums (tokens gained beyond one, rows with candidates): the candidates' (verify
+        # steps and the shadow of plain steps) and lookahead steps'.
+        self.gain = {VERIFY: [0.0, float(GAIN_PRIOR_SAMPLES)], LOOKAHEAD: [0.0, 1.0]}
         self.pending: dict[int, list[tuple[int, list[tuple[int, ...]]]]] = {}  # row -> (text length, candidates)
         self.step: tuple[str, list[bool], int, int] | None = None  # kind, rows with candidates, tokens, rows
-        self.since_lookahead = 0  # steps since the last lookahead step
+        self.since = {VERIFY: 0, LOOKAHEAD: 0}  # steps since the last step of each wider kind
         self.slow_calls = GraphedForward.slow_calls  # graphed forwards that did not replay, so far
 
     def prefilled(self, seconds: float, tokens: int, rows: int) -> None:
@@ -209,19 +213,23 @@ class LookaheadSwitch:
             plain_s = self._plain_seconds()
             seconds = {VERIFY: self._seconds(VERIFY, verify_tokens, len(rows)),
                        LOOKAHEAD: self._seconds(LOOKAHEAD, lookahead_tokens, len(rows))}
-            gain = {VERIFY: max(self._mean_gain(PLAIN), self._mean_gain(VERIFY))}
+            gain = {VERIFY: self._mean_gain(VERIFY)}
             gain[LOOKAHEAD] = max(gain[VERIFY], self._mean_gain(LOOKAHEAD))
-            best = max((VERIFY, LOOKAHEAD), key=lambda k: (1 + gain[k] * share) / seconds[k])
-            probe = self.since_lookahead * plain_s * PROBE_SHARE >= seconds[LOOKAHEAD] - plain_s
-            if (1 + gain[best] * share) * plain_s >= MARGIN * seconds[best]:
-                kind = best
-            else:
-                kind = LOOKAHEAD if probe else PLAIN
+            per_row = {k: 1 + gain[k] * share for k in gain}  # tokens per row and step
+            # The kind with the more tokens per second (compared crosswise: no division).
+            best = LOOKAHEAD if per_row[LOOKAHEAD] * seconds[VERIFY] > per_row[VERIFY] * seconds[LOOKAHEAD] else VERIFY
+            kind = best if per_row[best] * plain_s >= MARGIN * seconds[best] else PLAIN
+            due = {k: self.since[k] * plain_s * PROBE_SHARE >= seconds[k] - plain_s for k in seconds}
+            if kind != LOOKAHEAD and due[LOOKAHEAD]:
+                kind = LOOKAHEAD
+            elif kind == PLAIN and due[VERIFY] and per_row[VERIFY] >= MARGIN:
+                kind = VERIFY
         if kind == PLAIN:  # measure in the shadow what verifying the candidates would have gained
             for row, c in zip(rows, candidates, strict=True):
                 if c:
                     self.pending.setdefault(row, []).append((len(texts[row]), c))
-        self.since_lookahead = 0 if kind == LOOKAHEAD else self.since_lookahead + 1
+        for k in self.since:
+            self.since[k] = 0 if kind == k else self.since[k] + 1
         tokens = {PLAIN: len(rows), VERIFY: verify_tokens, LOOKAHEAD: lookahead_tokens}[kind]
         self.step = (kind, has, tokens, len(rows))
         return kind
@@ -258,7 +266,7 @@ class LookaheadSwitch:
             if waiting:
                 pending[row] = waiting
         self.pending = pending
-        self._gained(PLAIN, samples)
+        self._gained(VERIFY, samples)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -321,7 +329,7 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             cached keys, as token trees do: `ragged_attention` takes no tree with such a window).
         input_ids, attention_mask, max_new_tokens, top_k, top_p, eos_token_id, pad_token_id,
             seed, max_cache_len, cuda_graphs, streamer: as in `generate` (CUDA graphs replay
-            the plain steps; lookahead steps run eagerly; the cache also needs room for one
+            the plain steps; verify and lookahead steps run eagerly; the cache also needs room for one
             step's input: longest prompt + max_new_tokens - 1 + (W + G) * (N - 1)).
         temperature: as in `generate`, but greedy (0) by default: the tokens of greedy
             `generate`, found in fewer forwards.

@@ -228,8 +228,6 @@ def test_a_non_bool_adaptive_is_refused(target):
         lookahead_generate(target, ids, mask, max_new_tokens=4, adaptive="yes")
 
 
-
-
 def _switch_after_two_plain_steps(prefill_seconds: float, plain_seconds: float = 0.01) -> LookaheadSwitch:
     """A switch for one row (N = 3) whose plain steps are timed, after a 101-token prefill."""
     switch = LookaheadSwitch(adaptive=True, ngram=3)
@@ -250,14 +248,14 @@ def test_the_switch_learns_the_gain_in_the_shadow_of_plain_steps():
     switch.observe(0.01, [0])
     texts[0] += [4]
     assert switch.choose([0], [[(7, 7)]], texts, 7, 3) == PLAIN  # one token committed since: not scored yet
-    assert switch.gain[PLAIN][0] == 0
+    assert switch.gain[VERIFY][0] == 0
     switch.observe(0.01, [0])
     texts[0] += [9]  # (4, 9) matches both committed tokens; (7, 7) waits for a second token
     switch.choose([0], [[]], texts, 5, 1)
-    assert switch.gain[PLAIN] == pytest.approx([2.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
+    assert switch.gain[VERIFY] == pytest.approx([2.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
     texts[0] += [7]
     switch.choose([0], [[]], texts, 5, 1)
-    assert switch.gain[PLAIN] == pytest.approx([2.0 * DECAY, GAIN_PRIOR_SAMPLES * DECAY ** 2 + DECAY + 1])  # a 0
+    assert switch.gain[VERIFY] == pytest.approx([2.0 * DECAY, GAIN_PRIOR_SAMPLES * DECAY ** 2 + DECAY + 1])  # a 0
 
 
 def test_the_switch_takes_lookahead_steps_only_where_they_pay():
@@ -282,7 +280,7 @@ def test_the_switch_verifies_without_the_window_where_only_the_candidates_pay():
     a lookahead step (7 tokens) must gain three to beat it; once verify steps are timed dearer,
     plain steps win."""
     switch = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.002)
-    switch.gain[PLAIN] = [8.0, 8.0]  # the shadow: a row with candidates would gain a token
+    switch.gain[VERIFY] = [8.0, 8.0]  # the candidates gained a token per row
     texts, candidates = {0: [1, 2, 3]}, [[(4, 5)]]
     assert switch.choose([0], candidates, texts, 7, 3) == VERIFY
     switch.gain[LOOKAHEAD] = [16.0, 8.0]  # 3 tokens in 0.022 s against 2 in 0.014 s: still verify
@@ -324,3 +322,45 @@ def test_verify_and_plain_steps_between_lookahead_steps_equal_greedy_generate(ta
     out = lookahead_generate(target, ids, mask, window=3, ngram=3, guesses=4, max_new_tokens=24)
     assert torch.equal(out.tokens, plain.tokens)
     assert out.stats.num_accepted.sum() > 0
+
+
+def test_the_switch_probes_lookahead_steps_while_verify_steps_win():
+    """Verify steps pay, and lookahead steps were never measured: once the steps since the last
+    lookahead step took 1 / PROBE_SHARE times its extra cost, one runs."""
+    switch = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.0001)  # a token: 1% of a plain step
+    switch.gain[VERIFY] = [8.0, 8.0]
+    switch.since[LOOKAHEAD] = 0
+    kinds = [switch.choose([0], [[(4, 5)]], {0: [1, 2, 3]}, 7, 3) for _ in range(4)]
+    assert kinds == [VERIFY, VERIFY, VERIFY, LOOKAHEAD]  # a lookahead step adds 0.0006 s: due after 3 steps
+
+
+def test_the_switch_shadow_counts_against_a_stale_verify_gain():
+    """Verify steps and the shadow of plain steps feed one estimate: zeros scored in the shadow
+    pull down a gain verify steps measured earlier."""
+    switch = _switch_after_two_plain_steps(prefill_seconds=100.0)
+    switch.gain[VERIFY] = [8.0, 8.0]
+    texts = {0: [1, 2, 3]}
+    assert switch.choose([0], [[(4, 5)]], texts, 7, 3) == PLAIN  # priced out
+    texts[0] += [7, 7]
+    switch.choose([0], [[]], texts, 5, 1)
+    assert switch.gain[VERIFY] == pytest.approx([8.0 * DECAY, 8.0 * DECAY + 1])
+
+
+def test_an_adaptive_run_takes_verify_steps_where_they_pay(target, monkeypatch):
+    """With verify steps priced cheap and lookahead steps dear, the switch runs verify steps
+    between plain ones: greedy generate's tokens, one host sync per step."""
+    monkeypatch.setattr(LookaheadSwitch, "_seconds", lambda self, kind, tokens, rows: 1e-6 if kind == VERIFY else 1e6)
+    monkeypatch.setattr(LookaheadSwitch, "_plain_seconds", lambda self: 1.0)
+    kinds = []
+    choose = LookaheadSwitch.choose
+    monkeypatch.setattr(LookaheadSwitch, "choose", lambda self, *a: kinds.append(choose(self, *a)) or kinds[-1])
+    ids, mask = repetitive_prompts(B=3, seed=4)
+    with SyncCounter() as syncs:
+        out = lookahead_generate(target, ids, mask, max_new_tokens=16)
+    assert VERIFY in kinds and LOOKAHEAD not in kinds
+    assert out.stats.num_accepted.sum() > 0
+    in_loop = [e for e in syncs.events if "_prepare" not in e.where and "prefill" not in e.where
+               and "lookahead_generate" not in e.where]
+    assert all("_rows_still_running" in e.where for e in in_loop), in_loop
+    assert len(in_loop) == int(out.stats.num_steps.max()) + 1
+    assert torch.equal(out.tokens, generate(target, ids, mask, max_new_tokens=16, temperature=0).tokens)
