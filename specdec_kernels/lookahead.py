@@ -107,11 +107,12 @@ class NgramPool:
         return self._pool.get(key, [])
 
 
-#: A probe (a lookahead step the estimates advise against) may add at most this share to the
-#: time of the steps since the last lookahead step, priced as plain ones.
+#: A probe (a wider step the estimates advise against) may add at most this share to the time
+#: of the steps since the last step of its kind, priced as plain ones.
 PROBE_SHARE = 1 / 50
-#: The shadow's gain starts as this many (forgotten) samples of 0, so that the first few lucky
-#: matches do not start wider steps on text that rarely repeats.
+#: The candidates' gain (verify steps and the shadow of plain steps) starts as this many
+#: (forgotten) samples of 0, so that the first few lucky matches do not start wider steps on
+#: text that rarely repeats.
 GAIN_PRIOR_SAMPLES = 4
 #: A wider step must promise this many times a plain step's tokens per second: near a tie the
 #: estimates' noise would make the choice a coin toss that costs more than it gains.
