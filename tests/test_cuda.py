@@ -633,6 +633,29 @@ def test_lookahead_on_cuda_equals_generate(adaptive):
         assert out.stats.num_accepted.sum() > 0  # candidates were verified and kept
 
 
+def test_lookahead_verify_steps_on_cuda_equal_generate(monkeypatch):
+    """Verify steps on CUDA (eager, tree-masked, between graphed plain steps and lookahead
+    steps; the switch's choices forced in turn): the CPU's greedy tokens, as above."""
+    from specdec_kernels import lookahead_generate
+    from specdec_kernels.lookahead import LOOKAHEAD, PLAIN, VERIFY, LookaheadSwitch
+
+    kinds, turn = [VERIFY, PLAIN, LOOKAHEAD, VERIFY], iter(range(10**6))
+
+    def choose(self, *args):
+        self.step = None
+        return kinds[next(turn) % len(kinds)]
+
+    monkeypatch.setattr(LookaheadSwitch, "choose", choose)
+    cpu_model = tiny_llama(seed=0, scale=3.0, layers=3)
+    model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
+    ids, mask = repetitive_prompts(B=4, seed=1)
+    plain_cpu = generate(cpu_model, ids, mask, max_new_tokens=24, temperature=0)
+    out = lookahead_generate(model, ids.cuda(), mask.cuda(), window=3, ngram=3, guesses=3, max_new_tokens=24)
+    assert_cpu_greedy_tokens(cpu_model, ids, mask, plain_cpu.tokens, out.tokens)
+    assert out.stats.num_generated.tolist() == [24] * ids.shape[0]
+    assert out.stats.num_accepted.sum() > 0
+
+
 @pytest.mark.parametrize("branches", [1, 3])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_a_feature_head_on_cuda_keeps_greedy_tokens(adaptive, branches):
