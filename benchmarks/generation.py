@@ -556,7 +556,6 @@ def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), r
     ``repeats`` times, interleaved): tokens per target forward and wall-clock speedup, medians;
     a markdown table plus the machine line. Each run's tokens are checked against plain's
     (`_greedy_rows_note`)."""
-
     setup = load_setup(pack, device, dtype, random_weights)
     lines = []
     for B in batch_sizes:
@@ -602,7 +601,6 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
     greedy, every method ``repeats`` times, interleaved; tokens per target forward and
     wall-clock speedup (`_interleaved_medians` with plain as the baseline); each run's tokens
     are checked against plain's (`_greedy_rows_note`). A markdown table plus the machine line."""
-
     setup = load_setup(pack, device, dtype, random_weights)
     lines = []
     for B in batch_sizes:

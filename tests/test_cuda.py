@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_attention import CASES as ATTENTION_CASES
 from test_attention import make_inputs, reference_fp32
-from test_lookahead import repetitive_prompts
+from test_lookahead import force_kinds, repetitive_prompts
 from test_sampling import CASES as SAMPLER_CASES
 from test_sampling import NO_TOKEN_OPS, _bad_row_inputs, _no_token_cases, make_case, noise_for
 
@@ -637,15 +637,9 @@ def test_lookahead_verify_steps_on_cuda_equal_generate(monkeypatch):
     """Verify steps on CUDA (eager, tree-masked, between graphed plain steps and lookahead
     steps; the switch's choices forced in turn): the CPU's greedy tokens, as above."""
     from specdec_kernels import lookahead_generate
-    from specdec_kernels.lookahead import LOOKAHEAD, PLAIN, VERIFY, LookaheadSwitch
+    from specdec_kernels.lookahead import LOOKAHEAD, PLAIN, VERIFY
 
-    kinds, turn = [VERIFY, PLAIN, LOOKAHEAD, VERIFY], iter(range(10**6))
-
-    def choose(self, *args):
-        self.step = None
-        return kinds[next(turn) % len(kinds)]
-
-    monkeypatch.setattr(LookaheadSwitch, "choose", choose)
+    force_kinds(monkeypatch, [VERIFY, PLAIN, LOOKAHEAD, VERIFY])
     cpu_model = tiny_llama(seed=0, scale=3.0, layers=3)
     model = tiny_llama(seed=0, scale=3.0, layers=3).cuda()
     ids, mask = repetitive_prompts(B=4, seed=1)

@@ -128,13 +128,13 @@ class Successor(torch.nn.Module):
 
 
 @pytest.mark.parametrize("steps", [[LOOKAHEAD], [VERIFY]])
-def test_sampling_follows_the_target(forced_kinds, steps):
+def test_sampling_follows_the_target(monkeypatch, steps):
     """The first two sampled tokens of many copies of one prompt: their joint distribution is the
     target's (chi-square), with lookahead steps and with verify steps. The prompt holds every
     token followed by two different continuations (its successor, which the model favours, and a
     random one), so each row's second token comes from a step verifying two sibling candidates
     after its first: accepted often, rejected often (then sampled from the residual)."""
-    forced_kinds(steps)
+    force_kinds(monkeypatch, steps)
     model = Successor(tiny_llama(seed=1, scale=3.0, layers=2), bonus=5.0)
     shuffled = torch.randperm(V, generator=torch.Generator().manual_seed(0))
     prompt = torch.cat([torch.arange(V), shuffled])[None]  # (rows x prompt^2 attention scores: keep both small)
@@ -298,28 +298,23 @@ def test_the_switch_verifies_without_the_window_where_only_the_candidates_pay():
     assert switch.choose([0], candidates, texts, 7, 3) == PLAIN
 
 
-@pytest.fixture
-def forced_kinds(monkeypatch):
-    """Make the switch return the given kinds in turn (its estimates unused)."""
+def force_kinds(monkeypatch, kinds) -> None:
+    """Make the switch return ``kinds`` in turn (its estimates unused)."""
+    turn = itertools.count()
 
-    def force(kinds):
-        turn = itertools.count()
+    def choose(self, rows, candidates, texts, lookahead_tokens, verify_tokens):
+        self.step = None
+        return kinds[next(turn) % len(kinds)]
 
-        def choose(self, rows, candidates, texts, lookahead_tokens, verify_tokens):
-            self.step = None
-            return kinds[next(turn) % len(kinds)]
-
-        monkeypatch.setattr(LookaheadSwitch, "choose", choose)
-
-    return force
+    monkeypatch.setattr(LookaheadSwitch, "choose", choose)
 
 
 @pytest.mark.parametrize("kinds", [[VERIFY], [VERIFY, LOOKAHEAD, PLAIN], [LOOKAHEAD, VERIFY, VERIFY, PLAIN, LOOKAHEAD]])
-def test_verify_and_plain_steps_between_lookahead_steps_equal_greedy_generate(target, forced_kinds, kinds):
+def test_verify_and_plain_steps_between_lookahead_steps_equal_greedy_generate(target, monkeypatch, kinds):
     """Verify steps (candidates only) and plain steps leave the window as it was: any order of
     the three kinds gives greedy generate's tokens, and candidates are accepted (by verify steps
     alone in the first case)."""
-    forced_kinds(kinds)
+    force_kinds(monkeypatch, kinds)
     ids, mask = repetitive_prompts(B=5, seed=2)
     plain = generate(target, ids, mask, max_new_tokens=24, temperature=0)
     out = lookahead_generate(target, ids, mask, window=3, ngram=3, guesses=4, max_new_tokens=24)
