@@ -81,16 +81,14 @@ def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torc
         model, tokenizer = load_smollm2(dtype=dtype, device=device)
         folder = smollm2_folder()
         hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
-        hf_draft = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, num_hidden_layers=DRAFT_LAYERS)
     else:
         from benchmarks.diagnostics.smollm2_shape import SMOLLM2_SHAPE
 
         tokenizer = AutoTokenizer.from_pretrained(random_weights)
         torch.manual_seed(0)
         hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(dtype)
-        hf_draft = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_SHAPE, "num_hidden_layers": DRAFT_LAYERS})).to(dtype)
-        hf_draft.load_state_dict(hf.state_dict(), strict=False)  # the first layers, embeddings and norm
         model = Llama.from_pretrained(hf, dtype=dtype, device=device)
+    hf_draft = _layer_prefix(hf, DRAFT_LAYERS)
     if pack and model.can_pack_weights():
         model.pack_weights()
     hf, hf_draft = hf.to(device).eval(), hf_draft.to(device).eval()
@@ -98,6 +96,17 @@ def load_setup(pack: bool = True, device: str = "cpu", dtype: torch.dtype = torc
         m.generation_config.eos_token_id = None
         m.generation_config.pad_token_id = tokenizer.pad_token_id
     return Setup(model, hf, hf_draft, tokenizer)
+
+
+def _layer_prefix(hf, layers: int):
+    """A transformers model of ``hf``'s first ``layers`` layers with its embeddings, final norm and
+    LM head, holding copies of ``hf``'s weights (loaded strictly: every tensor it has, none other)."""
+    config = copy.deepcopy(hf.config)
+    config.num_hidden_layers = layers
+    draft = type(hf)(config).to(hf.dtype)
+    wanted = draft.state_dict().keys()
+    draft.load_state_dict({name: w for name, w in hf.state_dict().items() if name in wanted})
+    return draft
 
 
 def encode(setup: Setup, batch_size: int, prompts: tuple[str, ...] = PROMPTS):
