@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -696,8 +697,8 @@ LOOKUP_FIRST_K = 7
 
 def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
                 head: str | None = None, exit_head: str | None = None, open_prompts: bool = False,
-                matmul_dtypes: tuple[torch.dtype | None, ...] = (None,), head_tree: tuple[int, int] | None = None
-                ) -> str:
+                matmul_dtypes: tuple[torch.dtype | None, ...] = (None,), head_tree: tuple[int, int] | None = None,
+                draft_vocab_sizes: tuple[int | None, ...] = (None,)) -> str:
     """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``), the
     head behind prompt lookup (`LookupFirstDraft`: K = `LOOKUP_FIRST_K`, the head asked for at
     most ``k``), an `ExitHead` file ``exit_head`` if given, and prompt lookup against our plain
@@ -712,7 +713,9 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     its default), each with its own rows where more than one is given; the exit head keeps its
     default. ``head_tree``: (branches, depth) of the head's dynamic trees, also timed, at K =
     `LOOKUP_FIRST_K` (verify width 8; no prediction for trees), with the head's default matmul
-    dtype only. A markdown table plus the machine line."""
+    dtype only. ``draft_vocab_sizes``: the feature heads' ``draft_vocab_size`` (None: the whole
+    vocabulary), each with its own rows where more than one is given; trees take the first. A
+    markdown table plus the machine line."""
     from specdec_kernels import (
         ExitHead,
         ExitHeadDraft,
@@ -724,22 +727,25 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
 
     torch.manual_seed(0)
     setup = load_setup(pack)
-    if len(set(matmul_dtypes)) != len(matmul_dtypes):
-        raise ValueError(f"matmul_dtypes must be distinct, got {matmul_dtypes}")
+    for name, values in (("matmul_dtypes", matmul_dtypes), ("draft_vocab_sizes", draft_vocab_sizes)):
+        if len(set(values)) != len(values):
+            raise ValueError(f"{name} must be distinct, got {values}")
+    feature_head = ((lambda **options: load_smollm2_draft(setup.model, **options)) if head is None
+                    else (lambda **options: FeatureHeadDraft(setup.model, FeatureHead.load(head), **options)))
     heads = {}  # row-name suffix -> drafter
-    for dtype in matmul_dtypes:
-        named = "default" if dtype is None else str(dtype).removeprefix("torch.")
-        suffix = "" if len(matmul_dtypes) == 1 else f" ({named} matmuls)"
-        heads[suffix] = (load_smollm2_draft(setup.model, matmul_dtype=dtype) if head is None
-                         else FeatureHeadDraft(setup.model, FeatureHead.load(head), matmul_dtype=dtype))
+    for dtype, size in itertools.product(matmul_dtypes, draft_vocab_sizes):
+        dtype_name = "default" if dtype is None else str(dtype).removeprefix("torch.")
+        named = [] if len(matmul_dtypes) == 1 else [f"{dtype_name} matmuls"]
+        named += [] if len(draft_vocab_sizes) == 1 else [f"{'all' if size is None else size} draft ids"]
+        suffix = f" ({', '.join(named)})" if named else ""
+        heads[suffix] = feature_head(matmul_dtype=dtype, draft_vocab_size=size)
     drafters = {f"trained head{suffix}": (drafter, k) for suffix, drafter in heads.items()}
     drafters["prompt lookup"] = (PromptLookupDraft(), k)
     drafters.update({f"trained head, lookup first{suffix}": (LookupFirstDraft(drafter, draft_tokens=k), LOOKUP_FIRST_K)
                      for suffix, drafter in heads.items()})
     if head_tree is not None:
         branches, depth = head_tree
-        tree = (load_smollm2_draft(setup.model, branches=branches, depth=depth) if head is None
-                else FeatureHeadDraft(setup.model, FeatureHead.load(head), branches=branches, depth=depth))
+        tree = feature_head(branches=branches, depth=depth, draft_vocab_size=draft_vocab_sizes[0])
         drafters[f"trained head, tree of {branches} branches, depth {depth}"] = (tree, LOOKUP_FIRST_K)
     if exit_head is not None:
         drafters["early-exit head"] = (ExitHeadDraft(setup.model, ExitHead.load(exit_head)), k)
@@ -826,6 +832,15 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
     return _markdown(caption, header, rows)
 
 
+def _draft_vocab_size(text: str) -> int | None:
+    """``--head-vocab``'s values: a positive int, or ``all`` (None: the head's whole vocabulary)."""
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'all', got {text!r}")
+    return int(text)
+
+
 def _branches_and_depth(text: str) -> tuple[int, int]:
     """A tree option's "B,D": two positive ints, branches and depth."""
     try:
@@ -881,6 +896,9 @@ if __name__ == "__main__":
                              "the head's default only)")
     parser.add_argument("--head-tree", type=_branches_and_depth, default=None, metavar="B,D",
                         help=f"--heads: also the head's trees of B branches and depth D, at K = {LOOKUP_FIRST_K}")
+    parser.add_argument("--head-vocab", nargs="+", type=_draft_vocab_size, default=None, metavar="N",
+                        help="--heads: the feature head's draft vocabulary sizes to compare ('all': the whole), "
+                             "each with its own rows (default: all)")
     parser.add_argument("--open-prompts", action="store_true",
                         help="--heads: the open prompts (new text, little to copy) instead of the held-out ones")
     args = parser.parse_args()
@@ -890,14 +908,18 @@ if __name__ == "__main__":
         parser.error("--head-trees sets the --trees table's head trees: give both")
     if args.head_trees is not None and len(set(args.head_trees)) != len(args.head_trees):
         parser.error("--head-trees: each B,D once")
-    if args.head_tree is not None and not args.heads:
-        parser.error("--head-tree adds trees to the --heads table: give both")
+    for flag, value in (("--head-tree", args.head_tree), ("--head-vocab", args.head_vocab)):
+        if value is not None and not args.heads:
+            parser.error(f"{flag} is an option of the --heads table: give both")
+    if args.head_vocab is not None and len(set(args.head_vocab)) != len(args.head_vocab):
+        parser.error("--head-vocab: each N once")
     if args.heads:
         print(heads_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
                           head=args.head, exit_head=args.exit_head, open_prompts=args.open_prompts,
                           matmul_dtypes=(None,) if args.head_matmul_dtypes is None
                           else tuple(getattr(torch, d) for d in args.head_matmul_dtypes),
-                          head_tree=args.head_tree))
+                          head_tree=args.head_tree,
+                          draft_vocab_sizes=(None,) if args.head_vocab is None else tuple(args.head_vocab)))
         raise SystemExit(0)
     if args.lookahead:
         configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else

@@ -53,7 +53,8 @@ class FeatureHead(nn.Module):
         feature_norm, embedding_norm: `RMSNorm` of the features and of the token embeddings.
         fc: ``Linear(2H, H)`` over ``[normalized feature, normalized embedding]``.
         layer: one decoder `Block` of the target's shape.
-        draft_vocab: the ids (a buffer, saved with the head).
+        draft_vocab: the ids (a buffer, saved with the head); training orders them most frequent
+            first in its data, so a drafter's ``draft_vocab_size`` keeps the most frequent.
 
     Example::
 
@@ -99,7 +100,8 @@ class ExitHead(nn.Module):
     Args:
         config: the target's `LlamaConfig`.
         exit_layer: how many of the target's first layers run (1 .. its depth - 1).
-        draft_vocab: [Vd] int64, distinct ids of the target vocabulary the head drafts from.
+        draft_vocab: [Vd] int64, distinct ids of the target vocabulary the head drafts from
+            (training orders them most frequent first, as for `FeatureHead`).
 
     Example::
 
@@ -166,6 +168,17 @@ def _load_head(path: str | os.PathLike, kind: str, build, dtype: torch.dtype, de
         raise ValueError(f"{path} is not a draft head of kind {kind!r} that this version reads "
                          f"({type(e).__name__}: {e})") from e
     return head.to(device=device, dtype=dtype).eval()
+
+
+def _drafting_vocab(head: FeatureHead | ExitHead, draft_vocab_size: int | None) -> torch.Tensor:
+    """The ids a drafter drafts from: the first ``draft_vocab_size`` of ``head.draft_vocab`` (its
+    most frequent first), or all of them (None)."""
+    if draft_vocab_size is None:
+        return head.draft_vocab
+    if not is_int(draft_vocab_size) or not 1 <= draft_vocab_size <= len(head.draft_vocab):
+        raise ValueError(f"draft_vocab_size must be None or an int in [1, {len(head.draft_vocab)}] (the head's "
+                         f"draft vocabulary), got {draft_vocab_size!r}")
+    return head.draft_vocab[:draft_vocab_size]
 
 
 def _check_head_fits(target, head: FeatureHead | ExitHead) -> None:
@@ -278,6 +291,11 @@ class FeatureHeadDraft:
             its plan). None (default): bfloat16 where the CPU computes it natively
             (`specdec_kernels.matmul.bfloat16_matmuls_available`) and the target is CPU
             float32, else the target's dtype.
+        draft_vocab_size: draft from the first this many ids of ``head.draft_vocab`` (training
+            orders it most frequent first), or all of them (None, default). Each draft token
+            runs an LM head over these ids, the largest matmul of a draft step: fewer ids draft
+            faster and can propose fewer tokens (verification stays over the whole vocabulary,
+            so the output never changes).
 
     Example::
 
@@ -290,7 +308,7 @@ class FeatureHeadDraft:
     needs_target_hidden = needs_committed_bound = True
 
     def __init__(self, target, head: FeatureHead, *, branches: int = 1, depth: int | None = None,
-                 matmul_dtype: torch.dtype | None = None) -> None:
+                 matmul_dtype: torch.dtype | None = None, draft_vocab_size: int | None = None) -> None:
         if not is_int(branches) or branches < 1:
             raise ValueError(f"branches must be an int >= 1, got {branches!r}")
         if depth is not None and (not is_int(depth) or depth < 1):
@@ -298,8 +316,9 @@ class FeatureHeadDraft:
         if not isinstance(head, FeatureHead):
             raise TypeError(f"head must be a FeatureHead, got {type(head).__name__}")
         _check_head_fits(target, head)
-        if branches > len(head.draft_vocab):
-            raise ValueError(f"branches={branches} exceeds the head's draft vocabulary of {len(head.draft_vocab)} ids")
+        vocab = _drafting_vocab(head, draft_vocab_size)
+        if branches > len(vocab):
+            raise ValueError(f"branches={branches} exceeds the draft vocabulary of {len(vocab)} ids")
         if branches > 1 and target.config.sliding_window is not None:
             raise ValueError("token trees from a head need attention without a sliding window (the target has "
                              f"sliding_window={target.config.sliding_window}); use branches=1")
@@ -307,8 +326,8 @@ class FeatureHeadDraft:
         plan = _head_plan(target, matmul_dtype)
         weight = target.output.weight
         self.target, self.head = target, head.to(device=weight.device, dtype=weight.dtype).eval()
-        self.model = _draft_model(target, [self.head.layer], self.head.draft_vocab)
-        self.vocab = self.head.draft_vocab
+        self.vocab = vocab.to(weight.device)
+        self.model = _draft_model(target, [self.head.layer], self.vocab)
         _set_matmuls([self.head.fc, self.head.layer, self.model.output], plan)
 
     def prefill(self, input_ids: torch.Tensor, q_seqlens: torch.Tensor, max_len: int, *,
@@ -464,6 +483,8 @@ class ExitHeadDraft(EarlyExitDraft):
         matmul_dtype: the dtype the adapter's and LM head's matmuls read their weights in, as
             for `FeatureHeadDraft` (default: bfloat16 on a CPU float32 target where the CPU
             computes it natively); the target's first layers always run as the target's.
+        draft_vocab_size: draft from the first this many ids of ``head.draft_vocab``, as for
+            `FeatureHeadDraft` (None, default: all).
 
     Example::
 
@@ -472,18 +493,18 @@ class ExitHeadDraft(EarlyExitDraft):
     """
 
     def __init__(self, target, head: ExitHead, *, cuda_graphs: bool | None = None,
-                 matmul_dtype: torch.dtype | None = None) -> None:
+                 matmul_dtype: torch.dtype | None = None, draft_vocab_size: int | None = None) -> None:
         if not isinstance(head, ExitHead):
             raise TypeError(f"head must be an ExitHead, got {type(head).__name__}")
         _check_head_fits(target, head)
+        vocab = _drafting_vocab(head, draft_vocab_size)
         plan = _head_plan(target, matmul_dtype)
         super().__init__(target, head.exit_layer, cuda_graphs=cuda_graphs)
         weight = target.output.weight
         self.head = head.to(device=weight.device, dtype=weight.dtype).eval()
+        self.vocab, self.vocab_size = vocab.to(weight.device), target.vocab_size
         # The target's first layers (shared: they write the target's cache), then the adapter.
-        self.model = _draft_model(target, [*target.layers[:head.exit_layer], _Adapter(self.head)],
-                                  self.head.draft_vocab)
-        self.vocab, self.vocab_size = self.head.draft_vocab, target.vocab_size
+        self.model = _draft_model(target, [*target.layers[:head.exit_layer], _Adapter(self.head)], self.vocab)
         _set_matmuls([self.head.adapter, self.model.output], plan)  # (not the target's layers it shares)
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -49,18 +49,20 @@ class TrainSettings:
         unroll: training-time test steps (1: the head reads true features only).
         step_decay: weight of unrolled step k is ``step_decay ** (k - 1)``.
         feature_weight: weight of the feature loss against the distillation loss.
-        draft_vocab_size: ids in the draft vocabulary (the most frequent answer tokens; with
-            ``init``, how many of the most frequent the file's vocabulary is extended by).
+        draft_vocab_size: ids in the draft vocabulary: the data's most frequent answer tokens,
+            most frequent first (with ``init``, followed by the file's other ids).
         seed: seeds the head's initial weights (without ``init``) and the batch order.
         checkpoint_every: steps between checkpoints.
         head: ``"feature"`` (`FeatureHead`) or ``"early-exit"`` (`ExitHead`; ``unroll``,
             ``step_decay`` and ``feature_weight`` do not apply to it).
         exit_layer: the target layers an ``"early-exit"`` head runs.
         init: a head file of this kind whose weights training starts from (fine-tuning it); empty:
-            fresh weights. Its draft vocabulary gains those of the data's ``draft_vocab_size``
-            most frequent ids that it lacks and the data holds (the head's weights do not depend
-            on the vocabulary: it drafts from the target's LM-head rows), so text of a new kind
-            can be drafted. Read when training starts, not when it resumes.
+            fresh weights. Its draft vocabulary becomes the data's ``draft_vocab_size`` most
+            frequent ids that the data holds, most frequent first, then the file's ids that these
+            lack, in the file's order (the head's weights do not depend on the vocabulary: it
+            drafts from the target's LM-head rows), so text of a new kind can be drafted and a
+            drafter's ``draft_vocab_size`` keeps the ids this data uses most. Read when training
+            starts, not when it resumes.
     """
 
     steps: int = 4000
@@ -353,7 +355,7 @@ def new_head(target: Llama, vocabulary: torch.Tensor, seed: int, *, kind: str = 
 
 def _initial_head(target: Llama, settings: TrainSettings, frequent: torch.Tensor) -> FeatureHead | ExitHead:
     """The head in ``settings.init`` (float32), checked against the settings and the target,
-    drafting from its own ids and then the ``frequent`` ids it lacks."""
+    drafting from the ``frequent`` ids (most frequent first) and then its own ids those lack."""
     loaded = (FeatureHead.load(settings.init) if settings.head == "feature" else ExitHead.load(settings.init))
     if isinstance(loaded, ExitHead) and loaded.exit_layer != settings.exit_layer:
         raise ValueError(f"init head {settings.init} exits after layer {loaded.exit_layer}, but "
@@ -362,7 +364,7 @@ def _initial_head(target: Llama, settings: TrainSettings, frequent: torch.Tensor
         _check_head_fits(target, loaded)
     except (TypeError, ValueError) as e:
         raise type(e)(f"init head {settings.init}: {e}") from e
-    vocabulary = torch.cat([loaded.draft_vocab, frequent[~torch.isin(frequent, loaded.draft_vocab)]])
+    vocabulary = torch.cat([frequent, loaded.draft_vocab[~torch.isin(loaded.draft_vocab, frequent)]])
     head = _blank_head(target, settings.head, settings.exit_layer, vocabulary)
     head.load_state_dict({**loaded.state_dict(), "draft_vocab": vocabulary})
     return head

@@ -381,7 +381,7 @@ SMOLLM2_DRAFT_HEAD = Path(__file__).parent / "heads" / "smollm2-feature.pt"
 
 
 def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = None,
-                       matmul_dtype: torch.dtype | None = None):
+                       matmul_dtype: torch.dtype | None = None, draft_vocab_size: int | None = None):
     """The draft head shipped for SmolLM2-135M-Instruct, as a drafter for ``target``.
 
     An EAGLE-style `FeatureHead` (one decoder layer over the target's features, a draft
@@ -395,6 +395,8 @@ def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = 
             (`FeatureHeadDraft`).
         matmul_dtype: the dtype the head's matmuls read their weights in (`FeatureHeadDraft`;
             default: bfloat16 on a CPU float32 target where the CPU computes it natively).
+        draft_vocab_size: draft from the head's this many most frequent ids (`FeatureHeadDraft`);
+            None (default): all of them.
 
     Returns:
         A `FeatureHeadDraft` for `speculative_generate`.
@@ -414,5 +416,5 @@ def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = 
     if not SMOLLM2_DRAFT_HEAD.is_file():
         raise FileNotFoundError(f"the SmolLM2 draft head is missing from this installation: {SMOLLM2_DRAFT_HEAD}")
     return FeatureHeadDraft(target, FeatureHead.load(SMOLLM2_DRAFT_HEAD), branches=branches, depth=depth,
-                            matmul_dtype=matmul_dtype)
+                            matmul_dtype=matmul_dtype, draft_vocab_size=draft_vocab_size)
 

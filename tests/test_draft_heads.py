@@ -234,11 +234,65 @@ def test_sampling_with_a_head_is_lossless(kind, branches, K):
     (dict(branches=0), "branches must be an int >= 1"),
     (dict(branches=2.0), "branches must be an int >= 1"),
     (dict(branches=2, depth=0), "depth must be None or an int >= 1"),
-    (dict(branches=V + 1), "exceeds the head's draft vocabulary"),
+    (dict(branches=V + 1), f"exceeds the draft vocabulary of {V} ids"),
+    (dict(branches=5, draft_vocab_size=4), "exceeds the draft vocabulary of 4 ids"),
+    (dict(draft_vocab_size=0), rf"draft_vocab_size must be None or an int in \[1, {V}\]"),
+    (dict(draft_vocab_size=V + 1), rf"draft_vocab_size must be None or an int in \[1, {V}\]"),
+    (dict(draft_vocab_size=8.0), rf"draft_vocab_size must be None or an int in \[1, {V}\]"),
 ])
 def test_bad_tree_options_are_refused(target, options, message):
     with pytest.raises(ValueError, match=message):
         FeatureHeadDraft(target, random_head(target), **options)
+
+
+def _with_vocab(head, vocab):
+    """A copy of ``head`` drafting from ``vocab`` (its weights do not depend on the vocabulary)."""
+    other = FeatureHead(head.config, vocab) if isinstance(head, FeatureHead) else ExitHead(
+        head.config, head.exit_layer, vocab)
+    other.load_state_dict({**head.state_dict(), "draft_vocab": vocab})
+    return other.eval()
+
+
+class _Recorded:
+    """A drafter's proposals, kept as they are made (everything else is the drafter's)."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.proposals = drafter, []
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def propose(self, num_tokens, sample):
+        proposal = self.drafter.propose(num_tokens, sample)
+        self.proposals.append(proposal.token_ids.clone())
+        return proposal
+
+
+@pytest.mark.parametrize("kind, branches", [("feature", 1), ("feature", 3), ("early-exit", 1)])
+def test_a_drafter_over_its_heads_first_ids_drafts_as_a_head_of_those_ids(target, kind, branches):
+    """``draft_vocab_size=n``: the drafts of a head whose vocabulary is the first n ids, and
+    greedy output stays `generate`'s."""
+    head = (random_head(target, 50, seed=4, scale=3.0) if kind == "feature"
+            else new_head(target, torch.randperm(V, generator=torch.Generator().manual_seed(4)), 0,
+                          kind="early-exit", exit_layer=1))
+    make = ((lambda h, **o: FeatureHeadDraft(target, h, branches=branches, depth=3, **o)) if kind == "feature"
+            else (lambda h, **o: ExitHeadDraft(target, h, **o)))
+    ids, mask = ragged_prompts(B=4, P=8, seed=6)
+    plain = generate(target, ids, mask, max_new_tokens=16, temperature=0)
+
+    def run(drafter):
+        recorded = _Recorded(drafter)
+        out = speculative_generate(target, recorded, ids, mask, num_draft_tokens=4, max_new_tokens=16,
+                                   temperature=0, adaptive=False)
+        assert torch.equal(out.tokens, plain.tokens)
+        return recorded.proposals
+
+    first, alone = run(make(head, draft_vocab_size=20)), run(make(_with_vocab(head, head.draft_vocab[:20])))
+    assert len(first) == len(alone) and all(torch.equal(a, b) for a, b in zip(first, alone, strict=True))
+    drafted = lambda proposals: torch.isin(torch.cat([p.flatten() for p in proposals]), head.draft_vocab[:20])
+    assert drafted(first).all()
+    assert not drafted(run(make(head))).all()  # the cut changed the drafts
+    assert len(head.draft_vocab) == (50 if kind == "feature" else V)  # the head itself is unchanged
 
 
 def test_a_head_for_another_target_is_refused(target):
@@ -338,7 +392,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(target, tmp_path):
 
 def test_a_run_from_a_head_file_fine_tunes_that_head(target, tmp_path):
     """``init``: training starts from the file's weights, not fresh ones, and drafts from the
-    file's ids then the data's most frequent ones it lacks."""
+    data's most frequent ids (most frequent first) then the file's ids those lack."""
     sequences = load_sequences(_tiny_shards(target, tmp_path, count=2))
     settings = TrainSettings(steps=40, tokens_per_batch=64, lr=3e-3, warmup=5, unroll=2, draft_vocab_size=64,
                              checkpoint_every=1000)
@@ -350,14 +404,14 @@ def test_a_run_from_a_head_file_fine_tunes_that_head(target, tmp_path):
     assert torch.equal(tuned.draft_vocab, trained.draft_vocab)
     scores = [evaluate(target, head, sequences, unroll=2)["top1_step1"] for head in (trained, tuned, fresh)]
     assert scores[1] == pytest.approx(scores[0], abs=0.02) and scores[1] > scores[2] + 0.2
-    # A head of other ids keeps them, in its order, and gains the data's most frequent ones, only
-    # those the data holds (these shards hold fewer than 64 distinct ids).
+    # A head of other ids gains the data's most frequent ones, only those the data holds (these
+    # shards hold fewer than 64 distinct ids), first; then its own ids, in its order.
     seen = draft_vocabulary(sequences, 64, V, seen_only=True)
     assert 8 < len(seen) < 64 and torch.equal(seen, trained.draft_vocab[:len(seen)])
     rare = torch.tensor([i for i in range(V) if i not in set(seen.tolist())][:5] + seen[:3].tolist())
     new_head(target, rare, 0).save(tmp_path / "rare.pt", dtype=torch.float32)
     grown = once("grown", init=str(tmp_path / "rare.pt"))
-    assert torch.equal(grown.draft_vocab, torch.cat([rare, seen[3:]]))
+    assert torch.equal(grown.draft_vocab, torch.cat([seen, rare[:5]]))
     # A fine-tune resumed from its checkpoint ends where an uninterrupted one does, without the file.
     tune = TrainSettings(**{**settings.__dict__, "steps": 4, "checkpoint_every": 2, "init": str(tmp_path / "rare.pt")})
     straight = train_head(target, sequences, tmp_path / "straight", tune, log=lambda _: None)
