@@ -736,7 +736,7 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     for dtype, size in itertools.product(matmul_dtypes, draft_vocab_sizes):
         dtype_name = "default" if dtype is None else str(dtype).removeprefix("torch.")
         named = [] if len(matmul_dtypes) == 1 else [f"{dtype_name} matmuls"]
-        named += [] if len(draft_vocab_sizes) == 1 else [f"{'all' if size is None else size} draft ids"]
+        named += [] if size is None and len(draft_vocab_sizes) == 1 else [f"{size or 'all'} draft ids"]
         suffix = f" ({', '.join(named)})" if named else ""
         heads[suffix] = feature_head(matmul_dtype=dtype, draft_vocab_size=size)
     drafters = {f"trained head{suffix}": (drafter, k) for suffix, drafter in heads.items()}
@@ -746,7 +746,9 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     if head_tree is not None:
         branches, depth = head_tree
         tree = feature_head(branches=branches, depth=depth, draft_vocab_size=draft_vocab_sizes[0])
-        drafters[f"trained head, tree of {branches} branches, depth {depth}"] = (tree, LOOKUP_FIRST_K)
+        size = draft_vocab_sizes[0]
+        drafters[f"trained head, tree of {branches} branches, depth {depth}"
+                 f"{'' if size is None else f' ({size} draft ids)'}"] = (tree, LOOKUP_FIRST_K)
     if exit_head is not None:
         drafters["early-exit head"] = (ExitHeadDraft(setup.model, ExitHead.load(exit_head)), k)
     prompts = OPEN_PROMPTS if open_prompts else held_out_prompts()

@@ -292,10 +292,10 @@ class FeatureHeadDraft:
             (`specdec_kernels.matmul.bfloat16_matmuls_available`) and the target is CPU
             float32, else the target's dtype.
         draft_vocab_size: draft from the first this many ids of ``head.draft_vocab`` (training
-            orders it most frequent first), or all of them (None, default). Each draft token
-            runs an LM head over these ids, the largest matmul of a draft step: fewer ids draft
-            faster and can propose fewer tokens (verification stays over the whole vocabulary,
-            so the output never changes).
+            orders them most frequent first in its data), or all of them (None, default). Each
+            draft token runs an LM head over these ids, the largest matmul of a draft step: fewer
+            ids draft faster and can propose fewer tokens (verification stays over the whole
+            vocabulary, so the output never changes).
 
     Example::
 

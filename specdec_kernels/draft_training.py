@@ -62,7 +62,7 @@ class TrainSettings:
             lack, in the file's order (the head's weights do not depend on the vocabulary: it
             drafts from the target's LM-head rows), so text of a new kind can be drafted and a
             drafter's ``draft_vocab_size`` keeps the ids this data uses most. Read when training
-            starts, not when it resumes.
+            starts, not when it resumes (a resumed run keeps its checkpoint's vocabulary).
     """
 
     steps: int = 4000

@@ -253,21 +253,6 @@ def _with_vocab(head, vocab):
     return other.eval()
 
 
-class _Recorded:
-    """A drafter's proposals, kept as they are made (everything else is the drafter's)."""
-
-    def __init__(self, drafter) -> None:
-        self.drafter, self.proposals = drafter, []
-
-    def __getattr__(self, name):
-        return getattr(self.drafter, name)
-
-    def propose(self, num_tokens, sample):
-        proposal = self.drafter.propose(num_tokens, sample)
-        self.proposals.append(proposal.token_ids.clone())
-        return proposal
-
-
 @pytest.mark.parametrize("kind, branches", [("feature", 1), ("feature", 3), ("early-exit", 1)])
 def test_a_drafter_over_its_heads_first_ids_drafts_as_a_head_of_those_ids(target, kind, branches):
     """``draft_vocab_size=n``: the drafts of a head whose vocabulary is the first n ids, and
@@ -281,11 +266,19 @@ def test_a_drafter_over_its_heads_first_ids_drafts_as_a_head_of_those_ids(target
     plain = generate(target, ids, mask, max_new_tokens=16, temperature=0)
 
     def run(drafter):
-        recorded = _Recorded(drafter)
-        out = speculative_generate(target, recorded, ids, mask, num_draft_tokens=4, max_new_tokens=16,
+        """The drafter's proposals' tokens, in order, checking the greedy output."""
+        proposals, propose = [], drafter.propose
+
+        def recorded(num_tokens, sample):
+            proposal = propose(num_tokens, sample)
+            proposals.append(proposal.token_ids.clone())
+            return proposal
+
+        drafter.propose = recorded
+        out = speculative_generate(target, drafter, ids, mask, num_draft_tokens=4, max_new_tokens=16,
                                    temperature=0, adaptive=False)
         assert torch.equal(out.tokens, plain.tokens)
-        return recorded.proposals
+        return proposals
 
     first, alone = run(make(head, draft_vocab_size=20)), run(make(_with_vocab(head, head.draft_vocab[:20])))
     assert len(first) == len(alone) and all(torch.equal(a, b) for a, b in zip(first, alone, strict=True))
