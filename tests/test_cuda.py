@@ -653,8 +653,9 @@ def test_lookahead_verify_steps_on_cuda_equal_generate(monkeypatch):
 @pytest.mark.parametrize("branches", [1, 3])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_a_feature_head_on_cuda_keeps_greedy_tokens(adaptive, branches):
-    """A feature draft head (`FeatureHeadDraft`, chains and trees) on CUDA: the target's hidden
-    states flow to the head's own cache each step, and the CPU's greedy tokens come out, as above."""
+    """A feature draft head (`FeatureHeadDraft`, chains and trees, over the first ids of its
+    vocabulary) on CUDA: the target's hidden states flow to the head's own cache each step, and
+    the CPU's greedy tokens come out, as above."""
     from specdec_kernels import FeatureHeadDraft
     from specdec_kernels.draft_training import new_head
 
@@ -663,8 +664,9 @@ def test_a_feature_head_on_cuda_keeps_greedy_tokens(adaptive, branches):
     ids, mask = repetitive_prompts(B=4, seed=2)
     plain_cpu = generate(cpu_model, ids, mask, max_new_tokens=24, temperature=0)
     head = new_head(model, torch.arange(64), seed=0)
-    out = speculative_generate(model, FeatureHeadDraft(model, head, branches=branches), ids.cuda(), mask.cuda(),
-                               num_draft_tokens=5, max_new_tokens=24, temperature=0, adaptive=adaptive)
+    drafter = FeatureHeadDraft(model, head, branches=branches, draft_vocab_size=48)
+    out = speculative_generate(model, drafter, ids.cuda(), mask.cuda(), num_draft_tokens=5, max_new_tokens=24,
+                               temperature=0, adaptive=adaptive)
     assert_cpu_greedy_tokens(cpu_model, ids, mask, plain_cpu.tokens, out.tokens)
     assert out.stats.num_generated.tolist() == [24] * ids.shape[0]
 
