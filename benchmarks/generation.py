@@ -698,7 +698,7 @@ LOOKUP_FIRST_K = 7
 def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeats: int = 3, pack: bool = True,
                 head: str | None = None, exit_head: str | None = None, open_prompts: bool = False,
                 matmul_dtypes: tuple[torch.dtype | None, ...] = (None,), head_tree: tuple[int, int] | None = None,
-                draft_vocab_sizes: tuple[int | None, ...] = (None,)) -> str:
+                draft_vocab_sizes: tuple[int | None, ...] | None = None) -> str:
     """The trained draft head (`load_smollm2_draft`, or the `FeatureHead` file ``head``), the
     head behind prompt lookup (`LookupFirstDraft`: K = `LOOKUP_FIRST_K`, the head asked for at
     most ``k``), an `ExitHead` file ``exit_head`` if given, and prompt lookup against our plain
@@ -713,9 +713,9 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     its default), each with its own rows where more than one is given; the exit head keeps its
     default. ``head_tree``: (branches, depth) of the head's dynamic trees, also timed, at K =
     `LOOKUP_FIRST_K` (verify width 8; no prediction for trees), with the head's default matmul
-    dtype only. ``draft_vocab_sizes``: the feature heads' ``draft_vocab_size`` (None: the whole
-    vocabulary), each with its own rows where more than one is given; trees take the first. A
-    markdown table plus the machine line."""
+    dtype only. ``draft_vocab_sizes``: the feature heads' ``draft_vocab_size`` (an entry None: the
+    whole vocabulary), each with its own rows and named in them; trees take the first; None: the
+    drafter's default only. A markdown table plus the machine line."""
     from specdec_kernels import (
         ExitHead,
         ExitHeadDraft,
@@ -727,28 +727,30 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
 
     torch.manual_seed(0)
     setup = load_setup(pack)
-    for name, values in (("matmul_dtypes", matmul_dtypes), ("draft_vocab_sizes", draft_vocab_sizes)):
+    for name, values in (("matmul_dtypes", matmul_dtypes), ("draft_vocab_sizes", draft_vocab_sizes or ())):
         if len(set(values)) != len(values):
             raise ValueError(f"{name} must be distinct, got {values}")
+    default = draft_vocab_sizes is None
+    vocab = lambda size: {} if default else {"draft_vocab_size": size}  # the drafter's default, or this size
     feature_head = ((lambda **options: load_smollm2_draft(setup.model, **options)) if head is None
                     else (lambda **options: FeatureHeadDraft(setup.model, FeatureHead.load(head), **options)))
     heads = {}  # row-name suffix -> drafter
-    for dtype, size in itertools.product(matmul_dtypes, draft_vocab_sizes):
+    for dtype, size in itertools.product(matmul_dtypes, (None,) if default else draft_vocab_sizes):
         dtype_name = "default" if dtype is None else str(dtype).removeprefix("torch.")
         named = [] if len(matmul_dtypes) == 1 else [f"{dtype_name} matmuls"]
-        named += [] if size is None and len(draft_vocab_sizes) == 1 else [f"{size or 'all'} draft ids"]
+        named += [] if default else [f"{size or 'all'} draft ids"]
         suffix = f" ({', '.join(named)})" if named else ""
-        heads[suffix] = feature_head(matmul_dtype=dtype, draft_vocab_size=size)
+        heads[suffix] = feature_head(matmul_dtype=dtype, **vocab(size))
     drafters = {f"trained head{suffix}": (drafter, k) for suffix, drafter in heads.items()}
     drafters["prompt lookup"] = (PromptLookupDraft(), k)
     drafters.update({f"trained head, lookup first{suffix}": (LookupFirstDraft(drafter, draft_tokens=k), LOOKUP_FIRST_K)
                      for suffix, drafter in heads.items()})
     if head_tree is not None:
         branches, depth = head_tree
-        tree = feature_head(branches=branches, depth=depth, draft_vocab_size=draft_vocab_sizes[0])
-        size = draft_vocab_sizes[0]
-        drafters[f"trained head, tree of {branches} branches, depth {depth}"
-                 f"{'' if size is None else f' ({size} draft ids)'}"] = (tree, LOOKUP_FIRST_K)
+        size = None if default else draft_vocab_sizes[0]
+        tree = feature_head(branches=branches, depth=depth, **vocab(size))
+        named = "" if default else f" ({size or 'all'} draft ids)"
+        drafters[f"trained head, tree of {branches} branches, depth {depth}{named}"] = (tree, LOOKUP_FIRST_K)
     if exit_head is not None:
         drafters["early-exit head"] = (ExitHeadDraft(setup.model, ExitHead.load(exit_head)), k)
     prompts = OPEN_PROMPTS if open_prompts else held_out_prompts()
@@ -900,7 +902,7 @@ if __name__ == "__main__":
                         help=f"--heads: also the head's trees of B branches and depth D, at K = {LOOKUP_FIRST_K}")
     parser.add_argument("--head-vocab", nargs="+", type=_draft_vocab_size, default=None, metavar="N",
                         help="--heads: the feature head's draft vocabulary sizes to compare ('all': the whole), "
-                             "each with its own rows (default: all)")
+                             "each with its own rows (default: the drafter's default)")
     parser.add_argument("--open-prompts", action="store_true",
                         help="--heads: the open prompts (new text, little to copy) instead of the held-out ones")
     args = parser.parse_args()
@@ -921,7 +923,7 @@ if __name__ == "__main__":
                           matmul_dtypes=(None,) if args.head_matmul_dtypes is None
                           else tuple(getattr(torch, d) for d in args.head_matmul_dtypes),
                           head_tree=args.head_tree,
-                          draft_vocab_sizes=(None,) if args.head_vocab is None else tuple(args.head_vocab)))
+                          draft_vocab_sizes=None if args.head_vocab is None else tuple(args.head_vocab)))
         raise SystemExit(0)
     if args.lookahead:
         configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else
