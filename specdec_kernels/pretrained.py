@@ -395,8 +395,10 @@ def load_smollm2_draft(target: Llama, *, branches: int = 1, depth: int | None = 
             (`FeatureHeadDraft`).
         matmul_dtype: the dtype the head's matmuls read their weights in (`FeatureHeadDraft`;
             default: bfloat16 on a CPU float32 target where the CPU computes it natively).
-        draft_vocab_size: draft from the head's this many most frequent ids (`FeatureHeadDraft`);
-            None (default): all of them.
+        draft_vocab_size: draft from the first this many ids of the head's vocabulary
+            (`FeatureHeadDraft`; this head's first 8192 are those its documentation-task training
+            data used most, most frequent first, the rest those its fine-tuning added); None
+            (default): all of them.
 
     Returns:
         A `FeatureHeadDraft` for `speculative_generate`.
