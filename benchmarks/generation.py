@@ -730,15 +730,16 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
     for name, values in (("matmul_dtypes", matmul_dtypes), ("draft_vocab_sizes", draft_vocab_sizes or ())):
         if len(set(values)) != len(values):
             raise ValueError(f"{name} must be distinct, got {values}")
-    default = draft_vocab_sizes is None
-    vocab = lambda size: {} if default else {"draft_vocab_size": size}  # the drafter's default, or this size
+    default = draft_vocab_sizes is None  # the drafter's default size, unnamed in the rows
+    vocab = lambda size: {} if default else {"draft_vocab_size": size}
+    vocab_label = lambda size: [] if default else [f"{size or 'all'} draft ids"]
     feature_head = ((lambda **options: load_smollm2_draft(setup.model, **options)) if head is None
                     else (lambda **options: FeatureHeadDraft(setup.model, FeatureHead.load(head), **options)))
     heads = {}  # row-name suffix -> drafter
     for dtype, size in itertools.product(matmul_dtypes, (None,) if default else draft_vocab_sizes):
         dtype_name = "default" if dtype is None else str(dtype).removeprefix("torch.")
         named = [] if len(matmul_dtypes) == 1 else [f"{dtype_name} matmuls"]
-        named += [] if default else [f"{size or 'all'} draft ids"]
+        named += vocab_label(size)
         suffix = f" ({', '.join(named)})" if named else ""
         heads[suffix] = feature_head(matmul_dtype=dtype, **vocab(size))
     drafters = {f"trained head{suffix}": (drafter, k) for suffix, drafter in heads.items()}
@@ -749,7 +750,7 @@ def heads_table(max_new_tokens: int = 96, batch_sizes=(1, 8), k: int = 4, repeat
         branches, depth = head_tree
         size = None if default else draft_vocab_sizes[0]
         tree = feature_head(branches=branches, depth=depth, **vocab(size))
-        named = "" if default else f" ({size or 'all'} draft ids)"
+        named = "".join(f" ({label})" for label in vocab_label(size))
         drafters[f"trained head, tree of {branches} branches, depth {depth}{named}"] = (tree, LOOKUP_FIRST_K)
     if exit_head is not None:
         drafters["early-exit head"] = (ExitHeadDraft(setup.model, ExitHead.load(exit_head)), k)
@@ -915,8 +916,6 @@ if __name__ == "__main__":
     for flag, value in (("--head-tree", args.head_tree), ("--head-vocab", args.head_vocab)):
         if value is not None and not args.heads:
             parser.error(f"{flag} is an option of the --heads table: give both")
-    if args.head_vocab is not None and len(set(args.head_vocab)) != len(args.head_vocab):
-        parser.error("--head-vocab: each N once")
     if args.heads:
         print(heads_table(args.max_new_tokens, tuple(args.batch_sizes), args.k, args.repeats, pack=not args.no_pack,
                           head=args.head, exit_head=args.exit_head, open_prompts=args.open_prompts,

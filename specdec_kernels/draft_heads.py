@@ -171,8 +171,8 @@ def _load_head(path: str | os.PathLike, kind: str, build, dtype: torch.dtype, de
 
 
 def _drafting_vocab(head: FeatureHead | ExitHead, draft_vocab_size: int | None) -> torch.Tensor:
-    """The ids a drafter drafts from: the first ``draft_vocab_size`` of ``head.draft_vocab`` (its
-    most frequent first), or all of them (None)."""
+    """The ids a drafter drafts from: the first ``draft_vocab_size`` of ``head.draft_vocab``, or
+    all of them (None)."""
     if draft_vocab_size is None:
         return head.draft_vocab
     if not is_int(draft_vocab_size) or not 1 <= draft_vocab_size <= len(head.draft_vocab):
