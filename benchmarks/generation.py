@@ -435,37 +435,52 @@ def per_prompt_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8),
 def _per_prompt_rows(setup: Setup, B: int, max_new_tokens: int, ks, repeats: int) -> list[str]:
     """`per_prompt_table`'s rows at batch size ``B``."""
     groups = [(prompt,) for prompt in PROMPTS] if B == 1 else [PROMPTS]
-    methods = [None] + [(draft, k, adaptive) for draft in ("prompt_lookup", "layers") for k in ks
-                        for adaptive in (False, True)]
+    methods = [(draft, k, adaptive) for draft in ("prompt_lookup", "layers") for k in ks for adaptive in (False, True)]
     drafters = {(m, i): make_drafter(setup, m[0], B, max_new_tokens, m[1], group)
-                for m in methods if m is not None for i, group in enumerate(groups)}
+                for m in methods for i, group in enumerate(groups)}
 
     def run(m, i):
         draft, k, adaptive = (None, 4, True) if m is None else (drafters[m, i], m[1], m[2])
         return _timed(setup, run_ours, B, max_new_tokens, draft, k, adaptive, groups[i])
 
-    for i in range(len(groups)):
-        plain = run(None, i)[1].tokens
-        for m in methods[1:]:
-            if not torch.equal(run(m, i)[1].tokens, plain):
-                raise AssertionError(f"{m} gave other tokens than plain generate on prompt group {i}")
-    times = {(m, i): [] for m in methods for i in range(len(groups))}
-    for round_ in range(repeats):
-        for i in range(len(groups)):
-            for m in methods if round_ % 2 == 0 else methods[::-1]:
-                times[m, i].append(run(m, i)[0])
-    speedup = {m: tuple(sum(agg(times[None, i]) for i in range(len(groups)))
-                        / sum(agg(times[m, i]) for i in range(len(groups))) for agg in (min, statistics.median))
-               for m in methods[1:]}
+    speedup = _per_prompt_speedups(methods, len(groups), run, repeats)
     lines = []
     for draft in ("prompt_lookup", "layers"):
-        best = [max(speedup[draft, k, False][j] for k in ks) for j in (0, 1)]
+        best = [max(speedup[draft, k, False][0][j] for k in ks) for j in (0, 1)]
         for k in ks:
-            fixed, adaptive = speedup[draft, k, False], speedup[draft, k, True]
+            (fixed, _), (adaptive, _) = speedup[draft, k, False], speedup[draft, k, True]
             keeps = "; ".join(f"{(a - 1) / (b - 1):.0%}" if b > 1 else "-" for a, b in zip(adaptive, best, strict=True))
             lines.append(f"| {B} | {draft} | {k} | {fixed[0]:.3f}x; {fixed[1]:.3f}x | {adaptive[0]:.3f}x; "
                          f"{adaptive[1]:.3f}x | {keeps} |")
     return lines
+
+
+def _per_prompt_speedups(methods: list, groups: int, run, repeats: int) -> dict:
+    """Each method's speedups over plain generate, timed prompt group by prompt group.
+
+    ``run(m, i)`` runs method ``m`` (None: plain generate, the baseline) on prompt group ``i``
+    and returns ``(seconds, output)``. Every method runs once per group untimed, where its tokens
+    must equal the baseline's; then ``repeats`` rounds, each running every method (the baseline
+    first) on each group in turn, in reverse order every other round. Returns ``{m: ((minima,
+    medians), outputs)}``: plain's time over the method's, a time being the sum over groups of the
+    method's minimum run, and of its median run (a slow spell of a shared machine lengthens a run
+    and never shortens one, so the minima move least; the medians are the robust middle), and the
+    untimed outputs, one per group."""
+    order = [None, *methods]
+    outputs = {}
+    for i in range(groups):
+        plain = run(None, i)[1].tokens
+        for m in methods:
+            outputs.setdefault(m, []).append(run(m, i)[1])
+            if not torch.equal(outputs[m][-1].tokens, plain):
+                raise AssertionError(f"{m} gave other tokens than plain generate on prompt group {i}")
+    times = {(m, i): [] for m in order for i in range(groups)}
+    for round_ in range(repeats):
+        for i in range(groups):
+            for m in order if round_ % 2 == 0 else order[::-1]:
+                times[m, i].append(run(m, i)[0])
+    return {m: (tuple(sum(agg(times[None, i]) for i in range(groups)) / sum(agg(times[m, i]) for i in range(groups))
+                      for agg in (min, statistics.median)), outputs[m]) for m in methods}
 
 
 HEAD_TREES = ((4, 4), (6, 5))  # the trees table's (branches, depth) of the head's trees
@@ -636,6 +651,47 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
                f"{max_new_tokens} new tokens per row, speedups: median over {repeats} interleaved rounds of the "
                f"ratio to plain runs made around each run")
     return _markdown(caption, header, lines)
+
+
+def lookahead_per_prompt_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=((2, 3, 4),),
+                               repeats: int = 10, pack: bool = True, device: str = "cpu",
+                               dtype: torch.dtype = torch.float32, random_weights: str | None = None) -> str:
+    """`lookahead_generate` (each (window, ngram, guesses), fixed and adaptive) against our plain
+    generate, as `lookahead_table` but timed prompt by prompt (`_per_prompt_speedups`): at batch 1
+    each prompt of a set is a group of its own, at batch b one batch of the set's prompts, cycled.
+    Tokens per target forward are those of the untimed run, summed over the groups. A markdown
+    table plus the machine line."""
+    torch.manual_seed(0)
+    setup = load_setup(pack, device, dtype, random_weights)
+    lines = []
+    for B in batch_sizes:
+        for name, prompts in (("copy-heavy", PROMPTS), ("open", OPEN_PROMPTS)):
+            groups = [(prompt,) for prompt in prompts] if B == 1 else [prompts]
+            methods = [(*c, a) for c in configs for a in (False, True)]
+
+            def run(m, i, B=B, groups=groups):
+                return _timed(setup, run_lookahead, B, max_new_tokens, m, groups[i])
+
+            speedup = _per_prompt_speedups(methods, len(groups), run, repeats)
+            for c in configs:
+                (fixed, fixed_out), (adaptive, adaptive_out) = speedup[(*c, False)], speedup[(*c, True)]
+                per_forward = " / ".join(f"{_tokens_per_forward(outs):.2f}" for outs in (fixed_out, adaptive_out))
+                lines.append(f"| {B} | {name} | {', '.join(map(str, c))} | {fixed[0]:.3f}x; {fixed[1]:.3f}x | "
+                             f"{adaptive[0]:.3f}x; {adaptive[1]:.3f}x | {per_forward} |")
+    header = ("| batch | prompts | W, N, G | fixed vs plain (minima; medians) | adaptive vs plain (minima; medians) | "
+              "tokens per target forward (fixed / adaptive) |\n|---|---|---|---|---|---|")
+    caption = (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+               f"{max_new_tokens} new tokens per row, batch 1: each prompt of a set; speedups: sums over prompts of "
+               f"the minimum and of the median of {repeats} interleaved runs, plain's over the method's")
+    return _markdown(caption, header, lines)
+
+
+def _tokens_per_forward(outputs: list) -> float:
+    """`tokens_per_target_forward` over runs (one per prompt group): generated tokens but each
+    row's first (the prefill's) per decoding step, all rows of all runs together."""
+    stats = [out.stats for out in outputs]
+    return (sum(int(st.num_generated.sum()) - len(st.num_generated) for st in stats)
+            / sum(int(st.num_steps.sum()) for st in stats))
 
 
 def held_out_prompts(count: int = 8) -> tuple[str, ...]:
@@ -871,7 +927,8 @@ if __name__ == "__main__":
     parser.add_argument("--speculation", action="store_true",
                         help="fixed vs adaptive draft lengths for K in --ks, and the oracle drafter (no HF runs)")
     parser.add_argument("--per-prompt", action="store_true",
-                        help="with --speculation: minima and medians of many runs per prompt (default 10 rounds)")
+                        help="with --speculation or --lookahead: minima and medians of many runs per prompt "
+                             "(--repeats rounds; --lookahead: W, N, G = 2, 3, 4 unless --lookahead-configs)")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--random-weights", metavar="TOKENIZER_DIR",
                         help="random weights in SmolLM2's shapes and the tokenizer saved in TOKENIZER_DIR, "
@@ -907,8 +964,8 @@ if __name__ == "__main__":
     parser.add_argument("--open-prompts", action="store_true",
                         help="--heads: the open prompts (new text, little to copy) instead of the held-out ones")
     args = parser.parse_args()
-    if args.per_prompt and not args.speculation:
-        parser.error("--per-prompt times the --speculation table: give both")
+    if args.per_prompt and not (args.speculation or args.lookahead):
+        parser.error("--per-prompt times the --speculation or the --lookahead table: give one of them")
     if args.head_trees is not None and not args.trees:
         parser.error("--head-trees sets the --trees table's head trees: give both")
     if args.head_trees is not None and len(set(args.head_trees)) != len(args.head_trees):
@@ -927,9 +984,12 @@ if __name__ == "__main__":
     if args.lookahead:
         configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else
                    tuple(tuple(int(x) for x in c.split(",")) for c in args.lookahead_configs))
-        print(lookahead_table(args.max_new_tokens, tuple(args.batch_sizes), configs, repeats=args.repeats,
-                              pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),
-                              random_weights=args.random_weights))
+        table_fn = lookahead_per_prompt_table if args.per_prompt else lookahead_table
+        if args.per_prompt and args.lookahead_configs is None:
+            configs = ((2, 3, 4),)  # the default W, N, G
+        print(table_fn(args.max_new_tokens, tuple(args.batch_sizes), configs, repeats=args.repeats,
+                       pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),
+                       random_weights=args.random_weights))
         raise SystemExit(0)
     if args.jacobi:
         print(jacobi_table(args.max_new_tokens, tuple(args.batch_sizes), repeats=args.repeats, pack=not args.no_pack,

@@ -181,3 +181,33 @@ def test_interleaved_speedups_follow_a_drifting_machine(monkeypatch):
     assert all(abs(speedups[f"half {i}"] / 2 - 1) < 0.03 for i in range(8)), speedups
     assert abs(speedups["quarter"] / 4 - 1) < 0.03, speedups
     assert abs(median["plain"][0] / median["quarter"][0] / 4 - 1) > 0.05  # what the ratio of medians gives
+
+
+def test_per_prompt_speedups_sum_minima_and_medians_over_groups():
+    """The per-prompt benchmark's speedups: plain's summed minima (medians) over a method's, a
+    slow spell moving the minima not at all; a method with other tokens than plain is refused."""
+    from types import SimpleNamespace
+
+    import benchmarks.generation as bench
+
+    tokens = torch.arange(4)
+    seconds = {None: [1.0, 3.0], "half": [0.5, 1.5]}  # per group
+    calls = []
+
+    def run(m, i):
+        calls.append((m, i))
+        slow = 5.0 if len(calls) == 9 else 1.0  # one run in a slow spell
+        return seconds[m][i] * slow, SimpleNamespace(tokens=tokens)
+
+    speedups = bench._per_prompt_speedups(["half"], 2, run, repeats=3)
+    (minima, medians), outputs = speedups["half"]
+    assert minima == pytest.approx(2.0) and medians == pytest.approx(2.0)
+    assert len(outputs) == 2 and len(calls) == 4 + 3 * 2 * 2
+    assert calls[4:8] == [(None, 0), ("half", 0), (None, 1), ("half", 1)]
+    assert calls[8:12] == [("half", 0), (None, 0), ("half", 1), (None, 1)]  # every other round reversed
+
+    def other_tokens(m, i):
+        return 1.0, SimpleNamespace(tokens=tokens + (m is not None))
+
+    with pytest.raises(AssertionError, match="other tokens than plain generate on prompt group 0"):
+        bench._per_prompt_speedups(["half"], 2, other_tokens, repeats=1)
