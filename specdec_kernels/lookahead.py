@@ -141,24 +141,14 @@ class LookaheadSwitch:
       one-time costs, is not counted). Until a kind is timed, its tokens are priced at the
       prefill's seconds per token beyond a plain step's, so that a batch where wide steps cannot
       pay never runs one.
-    - **Value**: what a wider step's gain saves, in seconds of plain steps. A batch runs until
-      its last row is done, so a token one row gains saves that row's share of a plain step
-      (``row_seconds``, priced as one token more in a wider step) once the row leaves the batch
-      early; only a gain of every *lagging* row (those that committed the fewest tokens since
-      the first step) saves the rest of a step (``fixed = plain - rows * row_seconds``). With
-      ``r`` rows with candidates, each gaining ``gain`` of at most N - 1 tokens, and ``m``
-      lagging rows, all with candidates: ``value = row_seconds * r * gain + fixed * (N - 1) *
-      (gain / (N - 1)) ** m`` (each lagging row gaining all or nothing, independently; 0 when a
-      lagging row has no candidates). For one row this is ``plain * gain``: the tokens of the
-      step itself.
     - **Choice**: plain steps until one is timed; then, when a row has candidates, the wider
-      kind with the more tokens per second, ``(1 + value / plain) / seconds``, if it promises
-      `MARGIN` times a plain step's tokens per second, else a plain step. A step of the other
-      kinds is a probe, to measure what the estimates may have wrong, once the steps since the
-      last one of its kind took 1 / `PROBE_SHARE` times the extra seconds it is expected to cost:
-      a lookahead step (whose window may find what the candidates miss) in place of a verify or
-      plain step, a verify step in place of a plain one where the candidates' gain would pay at
-      no cost.
+      kind with the more tokens per second, ``(1 + gain * share) / seconds``, ``share`` the running
+      rows with candidates, if it promises `MARGIN` times a plain step's tokens per second, else
+      a plain step. A step of the other kinds is a probe, to measure what the estimates may have
+      wrong, once the steps since the last one of its kind took 1 / `PROBE_SHARE` times the
+      extra seconds it is expected to cost: a lookahead step (whose window may find what the
+      candidates miss) in place of a verify or plain step, a verify step in place of a plain
+      one where the candidates' gain would pay at no cost.
 
     ``adaptive=False``: always lookahead. Host arithmetic on the numbers and tokens the loop's
     transfer brings: no synchronization.
@@ -178,7 +168,6 @@ class LookaheadSwitch:
         self.pending: dict[int, list[tuple[int, list[tuple[int, ...]]]]] = {}  # row -> (text length, candidates)
         self.step: tuple[str, list[bool], int, int] | None = None  # kind, rows with candidates, tokens, rows
         self.since = {VERIFY: 0, LOOKAHEAD: 0}  # steps since the last step of each wider kind
-        self.first_length: dict[int, int] = {}  # row -> its text's length at its first choice
         self.slow_calls = GraphedForward.slow_calls  # graphed forwards that did not replay, so far
 
     def prefilled(self, seconds: float, tokens: int, rows: int) -> None:
@@ -216,10 +205,10 @@ class LookaheadSwitch:
         lookahead and of a verify step, all rows together."""
         self._resolve(rows, texts)
         has = [bool(c) for c in candidates]
-        progress = [len(texts[row]) - self.first_length.setdefault(row, len(texts[row])) for row in rows]
+        share = sum(has) / len(has)
         if not self.adaptive:
             kind = LOOKAHEAD
-        elif not self.plain[1] or not any(has):
+        elif not self.plain[1] or not share:
             kind = PLAIN  # plain steps are timed first; without candidates nothing can be gained
         else:
             plain_s = self._plain_seconds()
@@ -227,16 +216,7 @@ class LookaheadSwitch:
                        LOOKAHEAD: self._seconds(LOOKAHEAD, lookahead_tokens, len(rows))}
             gain = {VERIFY: self._mean_gain(VERIFY)}
             gain[LOOKAHEAD] = max(gain[VERIFY], self._mean_gain(LOOKAHEAD))
-            row_s = min(self._token_seconds(VERIFY), plain_s / len(rows))
-            fixed_s = plain_s - row_s * len(rows)
-            lagging = [h for h, p in zip(has, progress, strict=True) if p == min(progress)]
-            L = self.length
-
-            def value(g: float) -> float:  # seconds of plain steps a step gaining g per row saves
-                all_lagging = L * (g / L) ** len(lagging) if all(lagging) else 0.0
-                return row_s * sum(has) * g + fixed_s * all_lagging
-
-            per_row = {k: 1 + value(gain[k]) / plain_s for k in gain}  # plain steps' worth per step
+            per_row = {k: 1 + gain[k] * share for k in gain}  # tokens per row and step
             # The kind with the more tokens per second (compared crosswise: no division).
             best = LOOKAHEAD if per_row[LOOKAHEAD] * seconds[VERIFY] > per_row[VERIFY] * seconds[LOOKAHEAD] else VERIFY
             kind = best if per_row[best] * plain_s >= MARGIN * seconds[best] else PLAIN
@@ -260,12 +240,8 @@ class LookaheadSwitch:
 
     def _seconds(self, kind: str, tokens: int, rows: int) -> float:
         """A step of ``kind`` over ``tokens`` input tokens in ``rows`` rows, as priced now."""
-        return self._plain_seconds() + self._token_seconds(kind) * max(0, tokens - rows)
-
-    def _token_seconds(self, kind: str) -> float:
-        """The seconds each token beyond one per row adds to a step of ``kind``, as priced now."""
         total, samples = self.per_token[kind]
-        return total / samples if samples else self.prefill_per_token
+        return self._plain_seconds() + (total / samples if samples else self.prefill_per_token) * max(0, tokens - rows)
 
     def _mean_gain(self, kind: str) -> float:
         total, weight = self.gain[kind]

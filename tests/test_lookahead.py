@@ -298,30 +298,6 @@ def test_the_switch_verifies_without_the_window_where_only_the_candidates_pay():
     assert switch.choose([0], candidates, texts, 7, 3) == PLAIN
 
 
-def test_at_batch_size_four_only_the_lagging_rows_gains_pay_for_a_step():
-    """A batch runs until its last row is done: candidates of rows ahead save only their rows'
-    share of a plain step (a token's price, 5% of the step here), those of every lagging row
-    the rest of it too."""
-    switch = LookaheadSwitch(adaptive=True, ngram=3)
-    switch.prefilled(0.01 + 100 * 0.0005, 104, 4)  # a token: 5% of a plain step
-    texts = {row: [1, 2, 3] for row in range(4)}
-    for _ in range(2):
-        assert switch.choose([0, 1, 2, 3], [[]] * 4, texts, 28, 4) == PLAIN
-        switch.observe(0.01, [0] * 4)
-    switch.gain[VERIFY] = [8.0, 8.0]  # a token per row with candidates
-    half = [[(4, 5)], [(4, 5)], [], []]
-    assert switch.choose([0, 1, 2, 3], half, texts, 32, 8) == PLAIN  # rows 2 and 3 lag as much, without candidates
-    switch.gain[VERIFY] = [8.0, 8.0]
-    assert switch.choose([0, 1, 2, 3], [[(4, 5)]] * 4, texts, 36, 12) == PLAIN  # all four must gain: 1 in 16
-    switch.gain[VERIFY] = [16.0, 8.0]  # every candidate accepted whole
-    assert switch.choose([0, 1, 2, 3], [[(4, 5)]] * 4, texts, 36, 12) == VERIFY
-    switch.step, switch.gain[VERIFY] = None, [8.0, 8.0]
-    texts[0].append(4), texts[1].append(4)  # rows 0 and 1 ahead by a token: 2 and 3 lag
-    assert switch.choose([0, 1, 2, 3], half, texts, 32, 8) == PLAIN
-    switch.gain[VERIFY] = [8.0, 8.0]
-    assert switch.choose([0, 1, 2, 3], half[::-1], texts, 32, 8) == VERIFY
-
-
 def force_kinds(monkeypatch, kinds) -> None:
     """Make the switch return ``kinds`` in turn (its estimates unused)."""
     turn = itertools.count()
