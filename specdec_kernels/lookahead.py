@@ -136,19 +136,28 @@ class LookaheadSwitch:
       paying for wider steps to find out (from `GAIN_PRIOR_SAMPLES` samples of 0 on, so that a
       few lucky matches start nothing). A lookahead step verifies the same candidates and its
       window feeds the pools: its expected gain is the larger of the two.
+    - **The batch's gain**: a batch runs until its last row is done, so what a step gains the
+      batch as a whole is how far its least advanced row (of tokens committed since the first
+      step) moves beyond one token: ``min(progress + gained) - min(progress)`` over the rows.
+      It is measured alike (verify steps, lookahead steps, the shadow of plain steps) on the
+      steps where every least advanced row has candidates, and counted as 0 on the others: a
+      gain of some rows only lets them leave the batch early.
     - **Cost**: the seconds of a plain step, and of each token a verify or a lookahead step adds
       to it, per kind (forgotten by `COST_DECAY`; the first step of each kind, which pays
       one-time costs, is not counted). Until a kind is timed, its tokens are priced at the
       prefill's seconds per token beyond a plain step's, so that a batch where wide steps cannot
       pay never runs one.
     - **Choice**: plain steps until one is timed; then, when a row has candidates, the wider
-      kind with the more tokens per second, ``(1 + gain * share) / seconds``, ``share`` the running
-      rows with candidates, if it promises `MARGIN` times a plain step's tokens per second, else
-      a plain step. A step of the other kinds is a probe, to measure what the estimates may have
-      wrong, once the steps since the last one of its kind took 1 / `PROBE_SHARE` times the
-      extra seconds it is expected to cost: a lookahead step (whose window may find what the
-      candidates miss) in place of a verify or plain step, a verify step in place of a plain
-      one where the candidates' gain would pay at no cost.
+      kind with the more plain steps' worth per second, ``(1 + value / plain) / seconds``, if it
+      promises `MARGIN` times a plain step's, else a plain step. ``value``, the seconds of plain
+      steps a step saves: ``row * r * gain + (plain - B * row) * batch``, with ``r`` of the B
+      running rows having candidates, ``row`` a row's share of a plain step (priced as a token
+      more in a wider step: a row that gains leaves the batch that much earlier) and ``batch``
+      the batch's gain. For one row this is ``plain * gain``. A step of the other kinds is a
+      probe, to measure what the estimates may have wrong, once the steps since the last one of
+      its kind took 1 / `PROBE_SHARE` times the extra seconds it is expected to cost: a lookahead
+      step (whose window may find what the candidates miss) in place of a verify or plain step,
+      a verify step in place of a plain one where the candidates' gain would pay at no cost.
 
     ``adaptive=False``: always lookahead. Host arithmetic on the numbers and tokens the loop's
     transfer brings: no synchronization.
@@ -165,8 +174,13 @@ class LookaheadSwitch:
         # Forgotten sums (tokens gained beyond one, rows with candidates): the candidates' (verify
         # steps and the shadow of plain steps) and lookahead steps'.
         self.gain = {VERIFY: [0.0, float(GAIN_PRIOR_SAMPLES)], LOOKAHEAD: [0.0, 1.0]}
-        self.pending: dict[int, list[tuple[int, list[tuple[int, ...]]]]] = {}  # row -> (text length, candidates)
-        self.step: tuple[str, list[bool], int, int] | None = None  # kind, rows with candidates, tokens, rows
+        # The same for the batch's gain (tokens its least advanced row gained beyond one, steps).
+        self.batch_gain = {VERIFY: [0.0, float(GAIN_PRIOR_SAMPLES)], LOOKAHEAD: [0.0, 1.0]}
+        # Plain steps' shadow candidates: per step, each row's (text length, progress, candidates).
+        self.pending: list[dict[int, tuple[int, int, list[tuple[int, ...]]]]] = []
+        self.first_length: dict[int, int] = {}  # row -> its text's length at its first choice
+        # kind, rows with candidates, their progress, whether the batch's gain is measured, tokens, rows
+        self.step: tuple[str, list[bool], list[int], bool, int, int] | None = None
         self.since = {VERIFY: 0, LOOKAHEAD: 0}  # steps since the last step of each wider kind
         self.slow_calls = GraphedForward.slow_calls  # graphed forwards that did not replay, so far
 
@@ -182,7 +196,7 @@ class LookaheadSwitch:
         slow_calls, self.slow_calls = self.slow_calls, GraphedForward.slow_calls
         if self.step is None:
             return
-        (kind, had, tokens, rows), self.step = self.step, None
+        (kind, had, progress, lagging_have, tokens, rows), self.step = self.step, None
         self.seen[kind] += 1
         if self.seen[kind] > 1 and slow_calls == self.slow_calls:
             if kind == PLAIN:
@@ -195,7 +209,9 @@ class LookaheadSwitch:
                 total, samples = self.per_token[kind]
                 self.per_token[kind] = [COST_DECAY * total + extra, COST_DECAY * samples + 1]
         if kind != PLAIN:
-            self._gained(kind, [g for g, h in zip(gained, had, strict=True) if h])
+            _add(self.gain[kind], [g for g, h in zip(gained, had, strict=True) if h])
+            if lagging_have:
+                _add(self.batch_gain[kind], [_batch_gain(progress, gained)])
 
     def choose(self, rows: list[int], candidates: list[list[tuple[int, ...]]], texts: list[list[int]],
                lookahead_tokens: int, verify_tokens: int) -> str:
@@ -205,18 +221,27 @@ class LookaheadSwitch:
         lookahead and of a verify step, all rows together."""
         self._resolve(rows, texts)
         has = [bool(c) for c in candidates]
-        share = sum(has) / len(has)
+        progress = [len(texts[row]) - self.first_length.setdefault(row, len(texts[row])) for row in rows]
+        # Whether every least advanced row has candidates: else the batch cannot gain this step.
+        lagging_have = all(h for h, p in zip(has, progress, strict=True) if p == min(progress))
         if not self.adaptive:
             kind = LOOKAHEAD
-        elif not self.plain[1] or not share:
+        elif not self.plain[1] or not any(has):
             kind = PLAIN  # plain steps are timed first; without candidates nothing can be gained
         else:
             plain_s = self._plain_seconds()
             seconds = {VERIFY: self._seconds(VERIFY, verify_tokens, len(rows)),
                        LOOKAHEAD: self._seconds(LOOKAHEAD, lookahead_tokens, len(rows))}
-            gain = {VERIFY: self._mean_gain(VERIFY)}
-            gain[LOOKAHEAD] = max(gain[VERIFY], self._mean_gain(LOOKAHEAD))
-            per_row = {k: 1 + gain[k] * share for k in gain}  # tokens per row and step
+            gain = {VERIFY: _mean(self.gain[VERIFY])}
+            gain[LOOKAHEAD] = max(gain[VERIFY], _mean(self.gain[LOOKAHEAD]))
+            batch = {VERIFY: _mean(self.batch_gain[VERIFY]) if lagging_have else 0.0}
+            batch[LOOKAHEAD] = max(batch[VERIFY], _mean(self.batch_gain[LOOKAHEAD])) if lagging_have else 0.0
+            # A token a row gains saves its share of a plain step (priced as a token more in a
+            # wider step); one the batch gains, the rest of the step too.
+            row_s = min(self._token_seconds(VERIFY), plain_s / len(rows))
+            fixed_s = plain_s - row_s * len(rows)
+            per_row = {k: 1 + (row_s * sum(has) * gain[k] + fixed_s * batch[k]) / plain_s
+                       for k in gain}  # plain steps' worth per step
             # The kind with the more tokens per second (compared crosswise: no division).
             best = LOOKAHEAD if per_row[LOOKAHEAD] * seconds[VERIFY] > per_row[VERIFY] * seconds[LOOKAHEAD] else VERIFY
             kind = best if per_row[best] * plain_s >= MARGIN * seconds[best] else PLAIN
@@ -225,14 +250,13 @@ class LookaheadSwitch:
                 kind = LOOKAHEAD
             elif kind == PLAIN and due[VERIFY] and per_row[VERIFY] >= MARGIN:
                 kind = VERIFY
-        if kind == PLAIN:  # measure in the shadow what verifying the candidates would have gained
-            for row, c in zip(rows, candidates, strict=True):
-                if c:
-                    self.pending.setdefault(row, []).append((len(texts[row]), c))
+        if kind == PLAIN and any(has):  # measure in the shadow what verifying the candidates would have gained
+            self.pending.append({row: (len(texts[row]), p, c) for row, p, c in zip(rows, progress, candidates,
+                                                                                 strict=True)})
         for k in self.since:
             self.since[k] = 0 if kind == k else self.since[k] + 1
         tokens = {PLAIN: len(rows), VERIFY: verify_tokens, LOOKAHEAD: lookahead_tokens}[kind]
-        self.step = (kind, has, tokens, len(rows))
+        self.step = (kind, has, progress, lagging_have, tokens, len(rows))
         return kind
 
     def _plain_seconds(self) -> float:
@@ -240,34 +264,47 @@ class LookaheadSwitch:
 
     def _seconds(self, kind: str, tokens: int, rows: int) -> float:
         """A step of ``kind`` over ``tokens`` input tokens in ``rows`` rows, as priced now."""
+        return self._plain_seconds() + self._token_seconds(kind) * max(0, tokens - rows)
+
+    def _token_seconds(self, kind: str) -> float:
+        """The seconds each token beyond one per row adds to a step of ``kind``, as priced now."""
         total, samples = self.per_token[kind]
-        return self._plain_seconds() + (total / samples if samples else self.prefill_per_token) * max(0, tokens - rows)
-
-    def _mean_gain(self, kind: str) -> float:
-        total, weight = self.gain[kind]
-        return total / weight
-
-    def _gained(self, kind: str, samples: list[int]) -> None:
-        gain = self.gain[kind]
-        gain[0] = DECAY ** len(samples) * gain[0] + sum(samples)
-        gain[1] = DECAY ** len(samples) * gain[1] + len(samples)
+        return total / samples if samples else self.prefill_per_token
 
     def _resolve(self, rows: list[int], texts: list[list[int]]) -> None:
-        """Score the shadow candidates of running rows that have committed enough tokens since;
-        finished rows' are dropped."""
-        samples, pending = [], {}
-        for row in rows:
-            waiting = []
-            for start, cands in self.pending.get(row, []):
-                after = texts[row][start: start + self.length]
-                if len(after) < self.length:
-                    waiting.append((start, cands))
-                    continue
-                samples.append(max(_common_prefix(c, after) for c in cands))
-            if waiting:
-                pending[row] = waiting
+        """Score the shadow candidates of plain steps whose running rows have all committed
+        enough tokens since (finished rows no longer count): each row's, and the batch's gain."""
+        running, pending = set(rows), []
+        for step in self.pending:
+            step = {row: entry for row, entry in step.items() if row in running}
+            after = {row: texts[row][start: start + self.length] for row, (start, _, _) in step.items()}
+            if any(len(a) < self.length for a in after.values()):
+                pending.append(step)
+                continue
+            gained = {row: max((_common_prefix(c, after[row]) for c in cands), default=0)
+                      for row, (_, _, cands) in step.items()}
+            _add(self.gain[VERIFY], [gained[row] for row, (_, _, cands) in step.items() if cands])
+            progress = [p for _, p, _ in step.values()]
+            if step and all(cands for _, p, cands in step.values() if p == min(progress)):
+                _add(self.batch_gain[VERIFY], [_batch_gain(progress, list(gained.values()))])
         self.pending = pending
-        self._gained(VERIFY, samples)
+
+
+def _mean(sums: list[float]) -> float:
+    """The mean of forgotten sums ``[total, weight]``."""
+    return sums[0] / sums[1]
+
+
+def _add(sums: list[float], samples: list[int]) -> None:
+    """Forget ``sums`` (``[total, weight]``) by `DECAY` per sample, then add ``samples``."""
+    sums[0] = DECAY ** len(samples) * sums[0] + sum(samples)
+    sums[1] = DECAY ** len(samples) * sums[1] + len(samples)
+
+
+def _batch_gain(progress: list[int], gained: list[int]) -> int:
+    """How far a step moves the least advanced of rows at ``progress`` beyond one token, each row
+    gaining ``gained`` tokens beyond one."""
+    return min(p + g for p, g in zip(progress, gained, strict=True)) - min(progress)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:

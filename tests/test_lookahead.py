@@ -230,15 +230,22 @@ def test_a_non_bool_adaptive_is_refused(target):
         lookahead_generate(target, ids, mask, max_new_tokens=4, adaptive="yes")
 
 
-def _switch_after_two_plain_steps(prefill_seconds: float, plain_seconds: float = 0.01) -> LookaheadSwitch:
-    """A switch for one row (N = 3) whose plain steps are timed, after a 101-token prefill."""
+def _switch_after_two_plain_steps(prefill_seconds: float, plain_seconds: float = 0.01, rows: int = 1
+                                  ) -> LookaheadSwitch:
+    """A switch for ``rows`` rows (N = 3) whose plain steps are timed, after a prefill of 100
+    tokens more than rows (its seconds beyond a plain step's / 100: a token's price)."""
     switch = LookaheadSwitch(adaptive=True, ngram=3)
-    switch.prefilled(prefill_seconds, 101, 1)
-    text = [1, 2, 3]
+    switch.prefilled(prefill_seconds, 100 + rows, rows)
+    texts = [[1, 2, 3]] * rows
     for _ in range(2):  # the first plain step is not timed
-        assert switch.choose([0], [[]], [text], 5, 1) == PLAIN
-        switch.observe(plain_seconds, [0])
+        assert switch.choose(list(range(rows)), [[]] * rows, texts, 5 * rows, rows) == PLAIN
+        switch.observe(plain_seconds, [0] * rows)
     return switch
+
+
+def set_gain(switch: LookaheadSwitch, kind: str, sums: list[float]) -> None:
+    """Set a one-row switch's gain of ``kind`` (forgotten sums), the row's and the batch's alike."""
+    switch.gain[kind], switch.batch_gain[kind] = list(sums), list(sums)
 
 
 def test_the_switch_learns_the_gain_in_the_shadow_of_plain_steps():
@@ -254,17 +261,18 @@ def test_the_switch_learns_the_gain_in_the_shadow_of_plain_steps():
     switch.observe(0.01, [0])
     texts[0] += [9]  # (4, 9) matches both committed tokens; (7, 7) waits for a second token
     switch.choose([0], [[]], texts, 5, 1)
-    assert switch.gain[VERIFY] == pytest.approx([2.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
+    assert switch.gain[VERIFY] == switch.batch_gain[VERIFY] == pytest.approx([2.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
     texts[0] += [7]
     switch.choose([0], [[]], texts, 5, 1)
-    assert switch.gain[VERIFY] == pytest.approx([2.0 * DECAY, GAIN_PRIOR_SAMPLES * DECAY ** 2 + DECAY + 1])  # a 0
+    assert switch.gain[VERIFY] == switch.batch_gain[VERIFY] == pytest.approx(
+        [2.0 * DECAY, GAIN_PRIOR_SAMPLES * DECAY ** 2 + DECAY + 1])  # a 0
 
 
 def test_the_switch_takes_lookahead_steps_only_where_they_pay():
     cheap = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.0001)  # a token: 1% of a plain step
     costly = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.01)   # a token: a plain step
     for switch in (cheap, costly):
-        switch.gain[LOOKAHEAD] = [8.0, 8.0]  # every row with candidates gained a token in lookahead steps
+        set_gain(switch, LOOKAHEAD, [8.0, 8.0])  # every row with candidates gained a token in lookahead steps
     assert cheap.choose([0], [[]], {0: [1, 2, 3]}, 5, 1) == PLAIN  # nothing to verify
     cheap.observe(0.01, [0])
     assert cheap.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4]}, 7, 3) == LOOKAHEAD
@@ -282,20 +290,57 @@ def test_the_switch_verifies_without_the_window_where_only_the_candidates_pay():
     a lookahead step (7 tokens) must gain three to beat it; once verify steps are timed dearer,
     plain steps win."""
     switch = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.002)
-    switch.gain[VERIFY] = [8.0, 8.0]  # the candidates gained a token per row
+    set_gain(switch, VERIFY, [8.0, 8.0])  # the candidates gained a token per row
     texts, candidates = {0: [1, 2, 3]}, [[(4, 5)]]
     assert switch.choose([0], candidates, texts, 7, 3) == VERIFY
-    switch.gain[LOOKAHEAD] = [16.0, 8.0]  # 3 tokens in 0.022 s against 2 in 0.014 s: still verify
+    set_gain(switch, LOOKAHEAD, [16.0, 8.0])  # 3 tokens in 0.022 s against 2 in 0.014 s: still verify
     assert switch.choose([0], candidates, texts, 7, 3) == VERIFY
-    switch.gain[LOOKAHEAD] = [24.0, 8.0]  # 4 tokens in 0.022 s
+    set_gain(switch, LOOKAHEAD, [24.0, 8.0])  # 4 tokens in 0.022 s
     assert switch.choose([0], candidates, texts, 7, 3) == LOOKAHEAD
-    switch.gain[LOOKAHEAD] = [0.0, 1.0]
+    set_gain(switch, LOOKAHEAD, [0.0, 1.0])
     assert switch.choose([0], candidates, texts, 7, 3) == VERIFY
     switch.observe(0.03, [1])  # the first verify step: not timed
     assert switch.choose([0], candidates, texts, 7, 3) == VERIFY
     switch.observe(0.03, [1])  # 0.01 s a token: 2 tokens in 0.03 s lose to a plain step's 1 in 0.01 s
     assert switch.gain[VERIFY][0] > 0
     assert switch.choose([0], candidates, texts, 7, 3) == PLAIN
+
+
+def test_a_batch_gains_only_where_its_least_advanced_rows_do():
+    """A batch runs until its last row is done. Four rows, a token 5% of a plain step: a token
+    per row pays for a verify step only where the batch's least advanced rows gain it too; rows
+    ahead gaining alone only leave the batch early."""
+    switch = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.0005, rows=4)
+    texts = {row: [1, 2, 3] for row in range(4)}
+    every, half = [[(4, 5)]] * 4, [[(4, 5)], [(4, 5)], [], []]
+    switch.gain[VERIFY] = [8.0, 8.0]  # a token per row with candidates
+    switch.batch_gain[VERIFY] = [0.0, 8.0]  # never the batch's
+    assert switch.choose([0, 1, 2, 3], every, texts, 36, 12) == PLAIN
+    switch.batch_gain[VERIFY] = [8.0, 8.0]  # the batch's too
+    assert switch.choose([0, 1, 2, 3], every, texts, 36, 12) == VERIFY
+    assert switch.choose([0, 1, 2, 3], half, texts, 32, 8) == PLAIN  # rows 2 and 3 cannot gain
+    texts[0].append(4), texts[1].append(4)  # rows 0 and 1 a token ahead: 2 and 3 are the least advanced
+    assert switch.choose([0, 1, 2, 3], half, texts, 32, 8) == PLAIN
+    assert switch.choose([0, 1, 2, 3], half[::-1], texts, 32, 8) == VERIFY
+
+
+def test_the_shadow_measures_the_batch_gain_by_its_least_advanced_row():
+    """Plain steps' candidates scored in the shadow: each row's gain, and the batch's where
+    every least advanced row had candidates (the least it would have moved beyond one)."""
+    switch = _switch_after_two_plain_steps(prefill_seconds=100.0, rows=2)  # wide steps priced out
+    texts = {0: [1, 2, 3], 1: [1, 2, 3]}
+    assert switch.choose([0, 1], [[(4, 5)], [(6, 7)]], texts, 10, 6) == PLAIN
+    texts[0] += [4, 5]
+    texts[1] += [6, 9]  # row 0 would have gained 2 tokens, row 1 one
+    assert switch.choose([0, 1], [[(8, 8)], []], texts, 10, 6) == PLAIN
+    prior = GAIN_PRIOR_SAMPLES * DECAY ** 2
+    assert switch.gain[VERIFY] == pytest.approx([3.0, prior + 2])
+    assert switch.batch_gain[VERIFY] == pytest.approx([1.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
+    texts[0] += [8, 8]
+    texts[1] += [1, 1]  # row 0's candidates matched; row 1 had none: no batch sample
+    switch.choose([0, 1], [[], []], texts, 10, 6)
+    assert switch.gain[VERIFY] == pytest.approx([3.0 * DECAY + 2, (prior + 2) * DECAY + 1])
+    assert switch.batch_gain[VERIFY] == pytest.approx([1.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
 
 
 def force_kinds(monkeypatch, kinds) -> None:
@@ -326,7 +371,7 @@ def test_the_switch_probes_lookahead_steps_while_verify_steps_win():
     """Verify steps pay, and lookahead steps were never measured: once the steps since the last
     lookahead step took 1 / PROBE_SHARE times its extra cost, one runs."""
     switch = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.00009)  # a token: 0.9% of a plain step
-    switch.gain[VERIFY] = [8.0, 8.0]
+    set_gain(switch, VERIFY, [8.0, 8.0])
     switch.since[LOOKAHEAD] = 0
     kinds = [switch.choose([0], [[(4, 5)]], {0: [1, 2, 3]}, 7, 3) for _ in range(4)]
     assert kinds == [VERIFY, VERIFY, VERIFY, LOOKAHEAD]  # a lookahead step adds 0.00054 s: due after 3 steps
@@ -336,12 +381,12 @@ def test_the_switch_shadow_counts_against_a_stale_verify_gain():
     """Verify steps and the shadow of plain steps feed one estimate: zeros scored in the shadow
     pull down a gain verify steps measured earlier."""
     switch = _switch_after_two_plain_steps(prefill_seconds=100.0)
-    switch.gain[VERIFY] = [8.0, 8.0]
+    set_gain(switch, VERIFY, [8.0, 8.0])
     texts = {0: [1, 2, 3]}
     assert switch.choose([0], [[(4, 5)]], texts, 7, 3) == PLAIN  # priced out
     texts[0] += [7, 7]
     switch.choose([0], [[]], texts, 5, 1)
-    assert switch.gain[VERIFY] == pytest.approx([8.0 * DECAY, 8.0 * DECAY + 1])
+    assert switch.gain[VERIFY] == switch.batch_gain[VERIFY] == pytest.approx([8.0 * DECAY, 8.0 * DECAY + 1])
 
 
 def test_an_adaptive_run_takes_verify_steps_where_they_pay(target, monkeypatch):
