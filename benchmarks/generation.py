@@ -460,7 +460,8 @@ def _per_prompt_speedups(methods: list, groups: int, run, repeats: int) -> dict:
 
     ``run(m, i)`` runs method ``m`` (None: plain generate, the baseline) on prompt group ``i``
     and returns ``(seconds, output)``. Every method runs once per group untimed, where its tokens
-    must equal the baseline's; then ``repeats`` rounds, each running every method (the baseline
+    must equal the baseline's exactly (float32: in reduced precision a near-tie may flip a token,
+    which raises here); then ``repeats`` rounds, each running every method (the baseline
     first) on each group in turn, in reverse order every other round. Returns ``{m: ((minima,
     medians), outputs)}``: plain's time over the method's, a time being the sum over groups of the
     method's minimum run, and of its median run (a slow spell of a shared machine lengthens a run

@@ -114,7 +114,7 @@ PROBE_SHARE = 1 / 50
 #: (forgotten) samples of 0, so that the first few lucky matches do not start wider steps on
 #: text that rarely repeats.
 GAIN_PRIOR_SAMPLES = 4
-#: A wider step must promise this many times a plain step's tokens per second: near a tie the
+#: A wider step must promise this many times a plain step's worth per second: near a tie the
 #: estimates' noise would make the choice a coin toss that costs more than it gains.
 MARGIN = 1.05
 #: The kinds of step `LookaheadSwitch.choose` returns: one token per row; the last token and the
@@ -189,14 +189,16 @@ class LookaheadSwitch:
         wider step's tokens until one of its kind is timed (once a plain step is)."""
         self.prefill = (seconds, tokens, rows)
 
-    def observe(self, seconds: float, gained: list[int]) -> None:
+    def observe(self, seconds: float, gained: list[int], running=None) -> None:
         """The last step's seconds (target forward and sampling) and each of its rows' tokens
-        beyond one (in the step's row order). A plain step that ran its CUDA-graph shape eagerly
-        or recorded it (`GraphedForward`) did one-time work: its seconds are left out."""
+        beyond one (in the step's row order); ``running``: the indices, in that order, of the rows
+        still running after it (None: all), the rows that bound the batch from now on. A plain
+        step that ran its CUDA-graph shape eagerly or recorded it (`GraphedForward`) did one-time
+        work: its seconds are left out."""
         slow_calls, self.slow_calls = self.slow_calls, GraphedForward.slow_calls
         if self.step is None:
             return
-        (kind, had, progress, lagging_have, tokens, rows), self.step = self.step, None
+        (kind, had, progress, least_have, tokens, rows), self.step = self.step, None
         self.seen[kind] += 1
         if self.seen[kind] > 1 and slow_calls == self.slow_calls:
             if kind == PLAIN:
@@ -210,8 +212,9 @@ class LookaheadSwitch:
                 self.per_token[kind] = [COST_DECAY * total + extra, COST_DECAY * samples + 1]
         if kind != PLAIN:
             _add(self.gain[kind], [g for g, h in zip(gained, had, strict=True) if h])
-            if lagging_have:
-                _add(self.batch_gain[kind], [_batch_gain(progress, gained)])
+            left = range(len(gained)) if running is None else running
+            if least_have and left:
+                _add(self.batch_gain[kind], [_batch_gain([progress[i] for i in left], [gained[i] for i in left])])
 
     def choose(self, rows: list[int], candidates: list[list[tuple[int, ...]]], texts: list[list[int]],
                lookahead_tokens: int, verify_tokens: int) -> str:
@@ -223,7 +226,8 @@ class LookaheadSwitch:
         has = [bool(c) for c in candidates]
         progress = [len(texts[row]) - self.first_length.setdefault(row, len(texts[row])) for row in rows]
         # Whether every least advanced row has candidates: else the batch cannot gain this step.
-        lagging_have = all(h for h, p in zip(has, progress, strict=True) if p == min(progress))
+        least = min(progress)
+        least_have = all(h for h, p in zip(has, progress, strict=True) if p == least)
         if not self.adaptive:
             kind = LOOKAHEAD
         elif not self.plain[1] or not any(has):
@@ -234,21 +238,23 @@ class LookaheadSwitch:
                        LOOKAHEAD: self._seconds(LOOKAHEAD, lookahead_tokens, len(rows))}
             gain = {VERIFY: _mean(self.gain[VERIFY])}
             gain[LOOKAHEAD] = max(gain[VERIFY], _mean(self.gain[LOOKAHEAD]))
-            batch = {VERIFY: _mean(self.batch_gain[VERIFY]) if lagging_have else 0.0}
-            batch[LOOKAHEAD] = max(batch[VERIFY], _mean(self.batch_gain[LOOKAHEAD])) if lagging_have else 0.0
+            if len(rows) == 1:  # the row is the batch (its batch gain may still hold more rows' samples)
+                batch = gain
+            else:
+                batch = {k: _mean(self.batch_gain[k]) if least_have else 0.0 for k in gain}
+                batch[LOOKAHEAD] = max(batch[VERIFY], batch[LOOKAHEAD])
             # A token a row gains saves its share of a plain step (priced as a token more in a
-            # wider step); one the batch gains, the rest of the step too.
+            # wider step); one the batch gains, the rest of the step too: plain steps' worth per step,
+            # 1 + (row_s * rows with candidates * gain + (plain_s - rows * row_s) * batch) / plain_s.
             row_s = min(self._token_seconds(VERIFY), plain_s / len(rows))
-            fixed_s = plain_s - row_s * len(rows)
-            per_row = {k: 1 + (row_s * sum(has) * gain[k] + fixed_s * batch[k]) / plain_s
-                       for k in gain}  # plain steps' worth per step
-            # The kind with the more tokens per second (compared crosswise: no division).
-            best = LOOKAHEAD if per_row[LOOKAHEAD] * seconds[VERIFY] > per_row[VERIFY] * seconds[LOOKAHEAD] else VERIFY
-            kind = best if per_row[best] * plain_s >= MARGIN * seconds[best] else PLAIN
+            worth = {k: 1 + batch[k] + row_s * (sum(has) * gain[k] - len(rows) * batch[k]) / plain_s for k in gain}
+            # The kind with the more plain steps' worth per second (compared crosswise: no division).
+            best = LOOKAHEAD if worth[LOOKAHEAD] * seconds[VERIFY] > worth[VERIFY] * seconds[LOOKAHEAD] else VERIFY
+            kind = best if worth[best] * plain_s >= MARGIN * seconds[best] else PLAIN
             due = {k: self.since[k] * plain_s * PROBE_SHARE >= seconds[k] - plain_s for k in seconds}
             if kind != LOOKAHEAD and due[LOOKAHEAD]:
                 kind = LOOKAHEAD
-            elif kind == PLAIN and due[VERIFY] and per_row[VERIFY] >= MARGIN:
+            elif kind == PLAIN and due[VERIFY] and worth[VERIFY] >= MARGIN:
                 kind = VERIFY
         if kind == PLAIN and any(has):  # measure in the shadow what verifying the candidates would have gained
             self.pending.append({row: (len(texts[row]), p, c) for row, p, c in zip(rows, progress, candidates,
@@ -256,7 +262,7 @@ class LookaheadSwitch:
         for k in self.since:
             self.since[k] = 0 if kind == k else self.since[k] + 1
         tokens = {PLAIN: len(rows), VERIFY: verify_tokens, LOOKAHEAD: lookahead_tokens}[kind]
-        self.step = (kind, has, progress, lagging_have, tokens, len(rows))
+        self.step = (kind, has, progress, least_have, tokens, len(rows))
         return kind
 
     def _plain_seconds(self) -> float:
@@ -475,7 +481,7 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
                 switch.prefilled(timer.last("prefill"), prompt_tokens, B)
                 first_step = False
             else:
-                switch.observe(timer.last("target") + timer.last("sampler"), gained)
+                switch.observe(timer.last("target") + timer.last("sampler"), gained, running)
             if not running:
                 break
             if len(running) < len(rows):

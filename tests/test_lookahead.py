@@ -319,7 +319,8 @@ def test_a_batch_gains_only_where_its_least_advanced_rows_do():
     switch.batch_gain[VERIFY] = [8.0, 8.0]  # the batch's too
     assert switch.choose([0, 1, 2, 3], every, texts, 36, 12) == VERIFY
     assert switch.choose([0, 1, 2, 3], half, texts, 32, 8) == PLAIN  # rows 2 and 3 cannot gain
-    texts[0].append(4), texts[1].append(4)  # rows 0 and 1 a token ahead: 2 and 3 are the least advanced
+    texts[0].append(4)  # rows 0 and 1 a token ahead: 2 and 3 are the least advanced
+    texts[1].append(4)
     assert switch.choose([0, 1, 2, 3], half, texts, 32, 8) == PLAIN
     assert switch.choose([0, 1, 2, 3], half[::-1], texts, 32, 8) == VERIFY
 
@@ -341,6 +342,27 @@ def test_the_shadow_measures_the_batch_gain_by_its_least_advanced_row():
     switch.choose([0, 1], [[], []], texts, 10, 6)
     assert switch.gain[VERIFY] == pytest.approx([3.0 * DECAY + 2, (prior + 2) * DECAY + 1])
     assert switch.batch_gain[VERIFY] == pytest.approx([1.0, GAIN_PRIOR_SAMPLES * DECAY + 1])
+
+
+def test_a_verify_step_measures_the_batch_gain_over_the_rows_still_running():
+    """After a verify step the batch's gain is its least advanced running row's: a row that
+    finished in the step (EOS, budget) no longer bounds the batch."""
+    switch = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.0001, rows=3)  # cheap tokens
+    for kind in (VERIFY, LOOKAHEAD):
+        switch.gain[kind], switch.batch_gain[kind] = [8.0, 8.0], [8.0, 8.0]
+    texts = {row: [1, 2, 3] for row in range(3)}
+    assert switch.choose([0, 1, 2], [[(4, 5)]] * 3, texts, 21, 9) == VERIFY
+    switch.observe(0.02, [1, 0, 2], running=[0, 2])  # row 1 finished with no gain
+    assert switch.gain[VERIFY] == pytest.approx([8.0 * DECAY ** 3 + 3, 8.0 * DECAY ** 3 + 3])
+    assert switch.batch_gain[VERIFY] == pytest.approx([8.0 * DECAY + 1, 8.0 * DECAY + 1])
+
+
+def test_one_row_values_a_step_by_its_own_gain():
+    """A batch down to one row: the row is the batch, whatever the batch's gain measured while
+    more rows ran."""
+    switch = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.002)  # a token: a fifth of a step
+    switch.gain[VERIFY], switch.batch_gain[VERIFY] = [8.0, 8.0], [0.0, 8.0]
+    assert switch.choose([0], [[(4, 5)]], {0: [1, 2, 3]}, 7, 3) == VERIFY
 
 
 def force_kinds(monkeypatch, kinds) -> None:
