@@ -268,8 +268,7 @@ def table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, repeats: int
                         f"{quantities} | {eff} |")
     header = ("| batch | method | tokens/s | vs ours generate | vs HF generate | acceptance | "
               "measured c, v, decoding-phase speedup | efficiency |\n|---|---|---|---|---|---|---|---|")
-    weights = _weights_name(random_weights)
-    caption = (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+    caption = (f"{_setting(random_weights, dtype, device)}, greedy, "
                f"{max_new_tokens} new tokens per row, K = {k}, "
                f"median of {repeats} interleaved runs, our matmuls: {plan.describe() if plan else 'as loaded'}"
                f"{', our decoding steps replayed as CUDA graphs' if cuda and cuda_graphs else ''}")
@@ -286,9 +285,10 @@ def leviathan(st, k: int, plain) -> tuple[float, float]:
     return predicted, decode_tokens_per_second(st) / decode_tokens_per_second(plain) / predicted
 
 
-def _weights_name(random_weights: str | None) -> str:
-    """What a table's title calls the weights it ran."""
-    return "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
+def _setting(random_weights: str | None, dtype: torch.dtype, device: str) -> str:
+    """How a table's caption opens: the weights it ran, their dtype and the device."""
+    weights = "random weights in SmolLM2-135M's shapes" if random_weights else "SmolLM2-135M-Instruct"
+    return f"{weights} {str(dtype).removeprefix('torch.')} on {device}"
 
 
 BASELINE_EVERY = 3  # `_interleaved_medians`: other methods between two runs of the baseline
@@ -398,8 +398,7 @@ def speculation_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8)
     header = ("| batch | draft | K | fixed K vs plain | adaptive vs plain | adaptive keeps of fixed K's gain | "
               "of best fixed K's gain | acceptance (fixed) | predicted (fixed) | efficiency (fixed) | "
               "adaptive mean draft length |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    weights = _weights_name(random_weights)
-    caption = (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} "
+    caption = (f"{_setting(random_weights, dtype, device)}, greedy, {max_new_tokens} "
                f"new tokens per row (batch 1: each of the {len(PROMPTS)} prompts in turn), speedups: median over "
                f"{repeats} interleaved rounds of the ratio to plain runs made around each run, layer draft: "
                f"the first {DRAFT_LAYERS} of 30 layers")
@@ -424,8 +423,7 @@ def per_prompt_table(max_new_tokens: int = 48, batch_sizes=(1, 8), ks=(2, 4, 8),
     lines = [line for B in batch_sizes for line in _per_prompt_rows(setup, B, max_new_tokens, ks, repeats)]
     header = ("| batch | draft | K | fixed K vs plain (minima; medians) | adaptive vs plain (minima; medians) | "
               "adaptive keeps of best fixed K's gain (minima; medians) |\n|---|---|---|---|---|---|")
-    weights = _weights_name(random_weights)
-    caption = (f"{weights} {str(dtype).removeprefix('torch.')} on {device}, greedy, {max_new_tokens} new tokens per "
+    caption = (f"{_setting(random_weights, dtype, device)}, greedy, {max_new_tokens} new tokens per "
                f"row, batch 1: each of the {len(PROMPTS)} prompts; speedups: sums over prompts of the minimum and of "
                f"the median of {repeats} interleaved runs, plain's over the method's; layer draft: the first "
                f"{DRAFT_LAYERS} of 30 layers")
@@ -534,7 +532,7 @@ def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), br
                                  f"{plain_s / seconds:.2f}x{note} | {versus[1]} |")
     header = ("| batch | verify width | source | draft | tokens per target forward | tree / chain | vs plain | "
               "vs chain |\n|---|---|---|---|---|---|---|---|")
-    caption = (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+    caption = (f"{_setting(random_weights, dtype, device)}, greedy, "
                f"{max_new_tokens} new tokens per row, {len(prompts)} held-out prompts (batch 1: one at a time), "
                f"fixed draft lengths, median of {repeats} interleaved runs")
     return _markdown(caption, header, lines)
@@ -592,7 +590,7 @@ def jacobi_table(max_new_tokens: int = 48, batch_sizes=(1, 8), windows=(4, 8), r
             note = _greedy_rows_note(setup, B, PROMPTS, out, plain, dtype, f"jacobi_generate(window={w})")
             lines.append(f"| {B} | {w} | {out.stats.tokens_per_target_forward:.3f} | {plain_s / seconds:.2f}x{note} |")
     header = "| batch | window | tokens per target forward | vs plain |\n|---|---|---|---|"
-    caption = (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+    caption = (f"{_setting(random_weights, dtype, device)}, greedy, "
                f"{max_new_tokens} new tokens per row, median of {repeats} interleaved runs")
     return _markdown(caption, header, lines)
 
@@ -648,7 +646,7 @@ def lookahead_table(max_new_tokens: int = 48, batch_sizes=(1, 8), configs=LOOKAH
                              f"{speedup[m]:.2f}x{note} |")
     header = ("| batch | prompts | W, N, G | steps | tokens per target forward | candidate tokens verified per step | "
               "vs plain |\n|---|---|---|---|---|---|---|")
-    caption = (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+    caption = (f"{_setting(random_weights, dtype, device)}, greedy, "
                f"{max_new_tokens} new tokens per row, speedups: median over {repeats} interleaved rounds of the "
                f"ratio to plain runs made around each run")
     return _markdown(caption, header, lines)
@@ -681,7 +679,7 @@ def lookahead_per_prompt_table(max_new_tokens: int = 48, batch_sizes=(1, 8), con
                              f"{adaptive[0]:.3f}x; {adaptive[1]:.3f}x | {per_forward} |")
     header = ("| batch | prompts | W, N, G | fixed vs plain (minima; medians) | adaptive vs plain (minima; medians) | "
               "tokens per target forward (fixed / adaptive) |\n|---|---|---|---|---|---|")
-    caption = (f"{_weights_name(random_weights)} {str(dtype).removeprefix('torch.')} on {device}, greedy, "
+    caption = (f"{_setting(random_weights, dtype, device)}, greedy, "
                f"{max_new_tokens} new tokens per row, batch 1: each prompt of a set; speedups: sums over prompts of "
                f"the minimum and of the median of {repeats} interleaved runs, plain's over the method's")
     return _markdown(caption, header, lines)
@@ -884,10 +882,9 @@ def hf_models_table(max_new_tokens: int = 48, batch_sizes=(1, 8), k: int = 4, re
             against = next(base for key, base in baseline.items() if key in name)
             rows.append(f"| {B} | {name} | {value:.1f} | {value / against:.2f}x |")
     header = "| batch | method | tokens/s | vs transformers, same model and draft |\n|---|---|---|---|"
-    weights = _weights_name(random_weights)
     prepared = "after HFCausalLM.pack_weights() unless noted" if packs else "as loaded"
     graphs = (", CUDA graphs" if cuda_graphs else ", eager") if device != "cpu" else ""
-    caption = (f"{weights} {str(dtype).removeprefix('torch.')} on {device} as transformers' LlamaForCausalLM "
+    caption = (f"{_setting(random_weights, dtype, device)} as transformers' LlamaForCausalLM "
                f"(ours: {prepared}{graphs}), greedy, {max_new_tokens} new tokens per row, "
                f"K = {k} (ours: adaptive lengths), median of {repeats} interleaved runs; transformers' assisted "
                f"generation takes one row per call (batch 8 loops over rows)")
@@ -983,12 +980,10 @@ if __name__ == "__main__":
                           draft_vocab_sizes=None if args.head_vocab is None else tuple(args.head_vocab)))
         raise SystemExit(0)
     if args.lookahead:
-        configs = (LOOKAHEAD_CONFIGS if args.lookahead_configs is None else
-                   tuple(tuple(int(x) for x in c.split(",")) for c in args.lookahead_configs))
+        configs = ({} if args.lookahead_configs is None else  # None: each table's own default
+                   {"configs": tuple(tuple(int(x) for x in c.split(",")) for c in args.lookahead_configs)})
         table_fn = lookahead_per_prompt_table if args.per_prompt else lookahead_table
-        if args.per_prompt and args.lookahead_configs is None:
-            configs = ((2, 3, 4),)  # the default W, N, G
-        print(table_fn(args.max_new_tokens, tuple(args.batch_sizes), configs, repeats=args.repeats,
+        print(table_fn(args.max_new_tokens, tuple(args.batch_sizes), **configs, repeats=args.repeats,
                        pack=not args.no_pack, device=args.device, dtype=getattr(torch, args.dtype),
                        random_weights=args.random_weights))
         raise SystemExit(0)
