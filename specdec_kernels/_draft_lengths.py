@@ -158,6 +158,7 @@ class DraftLengths:
         # Deterministic chains are scored against the text (module docstring): per row, the
         # proposals still being compared, as [token ids, how many matched so far, state when made].
         self.deterministic = False  # the drafter's proposals are deterministic chains
+        self.trees = False  # the drafter's last proposal was a token tree (`_within_budget`)
         self.pending: list[list[list]] = [[] for _ in range(batch_size)]
         # First-draft acceptance of scored proposals by the state their row was in when proposed:
         # 1 where the row's latest compared proposal had its first draft accepted (a copied span
@@ -211,7 +212,7 @@ class DraftLengths:
             lengths = [self.K] * len(rows)
         else:
             lengths = self._best(rows)
-        self.planned = {row: max(0, min(k, self.max_new_tokens - generated.get(row, 0) - 2))
+        self.planned = {row: self._within_budget(k, self.max_new_tokens - generated.get(row, 0) - 2)
                         for row, k in zip(rows, lengths, strict=True)}
         # Whether `choose` picks the lengths once the offer is seen (where every cost is measured
         # by then): fixed here, as the plan was made (the measurements between may flip
@@ -221,7 +222,7 @@ class DraftLengths:
         self.width = max(self.planned.values(), default=0)
         if self.after_offer:
             room = max((self.max_new_tokens - generated.get(row, 0) - 2 for row in rows), default=0)
-            self.width = max(0, min(self.K, room))
+            self.width = self._within_budget(self.K, room)
         return self.width
 
     def scores(self, deterministic_chain: bool) -> bool:
@@ -237,15 +238,15 @@ class DraftLengths:
         proposed for it), for the batch's ``rows`` still running: the planned lengths, or, where
         the plan asked for K to see the offer (shadowing, or a scored drafter before its costs
         are known) and every cost is measured by now, the best lengths given the offers.
-        ``generated``: each row's tokens so far. Every length leaves out the drafts past
+        ``generated``: each row's tokens so far. Every chain leaves out the drafts past
         ``max_new_tokens - generated - 1`` (the verification adds one more token): the plan cut
         its lengths by counts one verification old, which may since have gained up to K + 1
         tokens, and a row given more drafts than its budget keeps would commit tokens past it,
-        past the room the caches hold (`Drafter.prefill`'s ``max_len``). A tree cut by count
-        keeps its first nodes, and no path longer than the nodes kept."""
+        past the room the caches hold (`Drafter.prefill`'s ``max_len``). A tree keeps its nodes
+        (`_within_budget`)."""
         best = self.after_offer and self._ready()
         lengths = self._best(rows, offered) if best else [self.planned.get(row, 0) for row in rows]
-        lengths = [max(0, min(k, self.max_new_tokens - g - 1)) for k, g in zip(lengths, generated, strict=True)]
+        lengths = [self._within_budget(k, self.max_new_tokens - g - 1) for k, g in zip(lengths, generated, strict=True)]
         if not best:  # what the row asked for, as far as its budget goes: a budget cut is no shortfall of the drafter's
             self.planned.update(zip(rows, lengths, strict=True))
         # (A plan's forecasts already weigh what the drafter offers (the share f): taken before the offer's cut.)
@@ -254,6 +255,15 @@ class DraftLengths:
         lengths = [min(k, o) for k, o in zip(lengths, offered, strict=True)]
         self.chosen = dict(zip(rows, lengths, strict=True))
         return lengths
+
+    def _within_budget(self, k: int, room: int) -> int:
+        """A row's length ``k`` where at most ``room`` of its drafts can be kept. A chain keeps
+        its first ``room``. A tree keeps every node while one draft can be: a path, not the node
+        count, is what the budget bounds, and the loop stops each accepted path at the row's
+        budget (a tree cut to its first ``room`` nodes would keep fewer and shallower paths)."""
+        if self.trees:
+            return k if room > 0 else 0
+        return max(0, min(k, room))
 
     def verifying(self, rows: list[int], drafted: dict[int, int], tokens: int) -> None:
         """The loop verifies ``drafted[row]`` drafts of each of ``rows`` (``tokens`` in all)."""

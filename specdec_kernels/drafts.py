@@ -64,7 +64,9 @@ class DraftProposal:
             ``tree_mask``; the built-in `Llama` and `HFCausalLM` take it) and keeps the longest
             path it accepts
             (`tree_rejection_sample`: siblings with logits must have been sampled independently,
-            each from its own row of ``logits``). A row cut to fewer tokens keeps the first ones.
+            each from its own row of ``logits``). A row cut to fewer tokens keeps the first ones;
+            near the end of a row's token budget the loop keeps every node and stops the
+            accepted path at the budget (a chain is cut to the drafts the budget keeps).
     """
 
     token_ids: torch.Tensor

@@ -606,6 +606,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 stats.draft_calls += 1
                 with timer("draft"):
                     drafts = _propose(drafter, len(host_rows), width, sample_draft, logits, check)
+                lengths.trees = drafts.parents is not None  # a tree is cut by depth, not by count
             scored = lengths.scores(drafts.logits is None and drafts.parents is None)
             texts = stream.values() or ((torch.where(kept, new, -1),) if scored else ())
             proposed = (drafts.token_ids,) if scored and width else ()
@@ -644,7 +645,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                     target_logits, states = out if hidden else (out, None)
                 stats.target_forwards += 1
                 with timer("sampler"):
-                    new, accepted, token, kept = _accept(request, target_logits, drafts, widest)
+                    room = request.max_new_tokens - 1 - outputs.counts[rows]  # the drafts each row can keep
+                    new, accepted, token, kept = _accept(request, target_logits, drafts, widest, room)
             states = _keep_accepted(cache, start, accepted, kept, states)
             committed_bound = longest + widest + 2  # the cache's tokens after the verify, and this step's token
             stats.num_steps[rows] += 1
@@ -736,13 +738,15 @@ def _check_speculation_options(num_draft_tokens: int, adaptive: bool) -> None:
         raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
 
 
-def _accept(request: _Request, target_logits: torch.Tensor, drafts: DraftProposal, widest: int
+def _accept(request: _Request, target_logits: torch.Tensor, drafts: DraftProposal, widest: int, room: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A verified step's new tokens [b, widest + 1] (each row's accepted drafts, then the target's
     own token), the drafts each row accepted [b], its last token [b] and, for a tree, the verify
     input's positions to keep [b, widest + 1] (token 0, then the accepted path's nodes):
     `rejection_sample_logits` over a chain, `tree_rejection_sample` over a tree (``parents``), or
-    a plain sample from the target where no row drafted."""
+    a plain sample from the target where no row drafted. A tree's path stops after ``room`` [b]
+    drafts, the most its row's budget keeps (chains are cut to that before they are verified):
+    the token after them, an accepted draft or the target's, is the target's sample there."""
     if widest == 0:
         token = request.sample(target_logits[:, 0])
         return token[:, None], torch.zeros_like(token), token, None
@@ -751,7 +755,7 @@ def _accept(request: _Request, target_logits: torch.Tensor, drafts: DraftProposa
     if drafts.parents is not None:
         result = tree_rejection_sample(target_logits, draft_logits, draft_ids, drafts.parents[:, :widest], num_drafts,
                                        **request.sampling, generator=request.generator, validate=False)
-        new, accepted = result.token_ids.clamp(min=0), result.num_accepted
+        new, accepted = result.token_ids.clamp(min=0), torch.minimum(result.num_accepted, room)
         kept = torch.cat([torch.zeros_like(accepted)[:, None], result.path + 1], 1)
         return new, accepted, new.gather(1, accepted[:, None])[:, 0], kept
     result = rejection_sample_logits(target_logits, draft_logits, draft_ids, num_drafts, **request.sampling,

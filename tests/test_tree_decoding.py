@@ -62,10 +62,27 @@ def test_oracle_tree_keeps_its_right_branch(target, adaptive):
     spec = speculative_generate(target, OracleTree(truth), ids, mask, num_draft_tokens=6, max_new_tokens=21,
                                 temperature=0, adaptive=adaptive)
     assert torch.equal(spec.tokens, plain.tokens)
-    if not adaptive:  # the 3 right nodes of 6 accepted at every step with the whole tree (the
-        # last steps' trees are cut to the tokens left), then the target's own token
-        whole = spec.stats.draft_lengths[:, 6]
-        assert (whole >= 4).all() and (spec.stats.num_accepted >= 3 * whole).all()
+    if not adaptive:  # the 3 right nodes of 6 accepted at every step with the whole tree, then
+        # the target's own token: 20 tokens after the prefill's in 5 steps
+        assert (spec.stats.draft_lengths[:, 6] == 5).all() and (spec.stats.num_accepted == 15).all()
+
+
+@pytest.mark.parametrize("max_new_tokens", [17, 18, 19, 20])
+def test_a_tree_near_the_token_budget_keeps_its_nodes_and_stops_its_path(target, max_new_tokens):
+    """Near the end of the budget the tree is not cut to as many nodes as drafts could be kept
+    (that keeps the wrong first sibling and shallow paths): it is verified whole, and its
+    accepted path stops at the budget. Each step gains its 3 right nodes and the target's token
+    or what the budget has left, so the n = 16-19 tokens after the prefill's take ceil(n / 4)
+    steps, the last a plain one where only one token is left."""
+    ids, mask = ragged_prompts(B=4)
+    plain = generate(target, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
+    truth = generate(target, ids, mask, max_new_tokens=max_new_tokens + 8, temperature=0).tokens
+    spec = speculative_generate(target, OracleTree(truth), ids, mask, num_draft_tokens=6,
+                                max_new_tokens=max_new_tokens, temperature=0, adaptive=False)
+    assert torch.equal(spec.tokens, plain.tokens)
+    steps, trees = -(-(max_new_tokens - 1) // 4), -(-(max_new_tokens - 2) // 4)
+    assert (spec.stats.num_steps == steps).all() and (spec.stats.draft_lengths[:, 6] == trees).all()
+    assert (spec.stats.num_accepted == max_new_tokens - 1 - steps).all()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -130,3 +147,72 @@ def test_prompt_lookup_trees_keep_greedy_output(target, branches):
                                 max_new_tokens=24, temperature=0, adaptive=False)
     assert torch.equal(spec.tokens, plain.tokens)
     assert spec.stats.num_accepted.sum() > 0
+
+
+class GreedyTree:
+    """Four nodes two deep from the target's own greedy continuation g1, g2 of each row: a wrong
+    first child (g1 + 1), then g1 with a wrong child (g2 + 1) and g2: sampled rows often accept
+    the path two deep."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def prefill(self, input_ids, q_seqlens, max_len):
+        self.text, self.lengths = input_ids, q_seqlens.clone()
+
+    def propose(self, num_tokens, sample):
+        width = int(self.lengths.max())
+        mask = (torch.arange(width) < self.lengths[:, None]).long()
+        g = generate(self.model, self.text[:, :width], mask, max_new_tokens=2, temperature=0).tokens
+        V = self.model.vocab_size
+        ids = torch.stack([(g[:, 0] + 1) % V, g[:, 0], (g[:, 1] + 1) % V, g[:, 1]], 1)[:, :num_tokens]
+        parents = torch.tensor([-1, -1, 1, 1])[:num_tokens].expand(len(g), -1).contiguous()
+        return DraftProposal(ids, None, None, parents)
+
+    def commit(self, token_ids, num_tokens):
+        columns = self.lengths[:, None] + torch.arange(token_ids.shape[1])
+        self.text = torch.cat([self.text, self.text.new_zeros(len(self.text), token_ids.shape[1])], 1)
+        real = torch.arange(token_ids.shape[1]) < num_tokens[:, None]
+        rows = torch.arange(len(self.text))[:, None].expand_as(columns)
+        self.text[rows[real], columns[real]] = token_ids[real]
+        self.lengths += num_tokens
+
+    def select(self, rows):
+        self.text, self.lengths = self.text[rows], self.lengths[rows]
+
+
+def _exact_joint(model, prompt, n: int) -> torch.Tensor:
+    """P(t1, ..., tn) [V] * n of the first n sampled tokens after ``prompt`` (temperature 1)."""
+    V = model.vocab_size
+    with torch.no_grad():
+        probs = torch.ones(1, dtype=torch.float64)
+        for i in range(n):  # probs [V ** i] over the first i tokens, then their next token's
+            tails = torch.arange(V ** i)[:, None] // V ** torch.arange(i - 1, -1, -1) % V  # digits, first token first
+            ctx = torch.cat([prompt.expand(V ** i, -1), tails], 1)
+            p = torch.softmax(model(ctx, model.new_cache(V ** i, ctx.shape[1]))[:, -1].double(), -1)
+            probs = (probs[:, None] * p).flatten()
+    return probs.reshape([V] * n)
+
+
+def test_sampling_with_a_tree_stopped_at_the_budget_is_lossless():
+    """Five tokens, trees of 4 nodes two deep: rows that gained two tokens at the first step
+    verify a whole tree with room for one draft, so a path accepted two deep stops after one,
+    and the second accepted node is the row's last token. The tokens keep the target's exact
+    distribution (chi-square over the first two and the last two)."""
+    from test_generation import P_THRESHOLD, chi_square_pvalue
+
+    V = 16
+    model = tiny_llama(seed=1, scale=4.0, layers=2, hidden=32, heads=4, kv_heads=1, vocab_size=V)
+    prompt = torch.tensor([3, 1, 4])
+    joint = _exact_joint(model, prompt, 5)
+    ids = prompt.expand(8000, -1).contiguous()
+    out = speculative_generate(model, GreedyTree(model), ids, num_draft_tokens=4, max_new_tokens=5, seed=3,
+                               adaptive=False, temperature=1.0)
+    t, st = out.tokens, out.stats
+    for pair, exact in ((t[:, :2], joint.sum((2, 3, 4))), (t[:, 3:], joint.sum((0, 1, 2)))):
+        assert chi_square_pvalue(torch.bincount(pair[:, 0] * V + pair[:, 1], minlength=V * V).reshape(V, V), exact) \
+            > P_THRESHOLD
+    # The first tree is asked for 3 nodes (before the loop has seen a tree, the budget cuts it);
+    # rows that accepted its right node then verify a whole tree and keep one draft of it.
+    stopped = (st.num_steps == 2) & (st.num_proposed == 3 + 4) & (st.num_accepted == 1 + 1)
+    assert (st.num_generated == 5).all() and stopped.float().mean() > 0.05
