@@ -482,7 +482,7 @@ def _per_prompt_speedups(methods: list, groups: int, run, repeats: int) -> dict:
                       for agg in (min, statistics.median)), outputs[m]) for m in methods}
 
 
-HEAD_TREES = ((4, 4), (6, 5))  # the trees table's (branches, depth) of the head's trees
+HEAD_TREES = ((4, 4), (4, 7))  # the trees table's (branches, depth) of the head's trees
 
 
 def trees_table(max_new_tokens: int = 48, batch_sizes=(1, 8), widths=(8, 16), branches=(2, 4),
