@@ -159,6 +159,7 @@ class DraftLengths:
         # proposals still being compared, as [token ids, how many matched so far, state when made].
         self.deterministic = False  # the drafter's proposals are deterministic chains
         self.trees = False  # the drafter's last proposal was a token tree (`_within_budget`)
+        self.keep: dict[int, int] = {}  # per row: the drafts its budget can keep at this verification
         self.pending: list[list[list]] = [[] for _ in range(batch_size)]
         # First-draft acceptance of scored proposals by the state their row was in when proposed:
         # 1 where the row's latest compared proposal had its first draft accepted (a copied span
@@ -198,7 +199,8 @@ class DraftLengths:
         decodes plainly), for the batch's ``rows``. ``generated``: each row's tokens as of the
         last transfer (absent: 0); the step before this proposal's verification adds at least
         one, so more than ``max_new_tokens - generated - 2`` drafts could not all be kept within
-        the row's budget, and are not asked for. Shadowing (module docstring), K."""
+        the row's budget, and are not asked for (a tree's nodes are, while one draft can be:
+        `_within_budget`). Shadowing (module docstring), K."""
         self.forecasts = {}
         if not self.adaptive:
             lengths = [self.K] * len(rows)
@@ -246,11 +248,13 @@ class DraftLengths:
         (`_within_budget`)."""
         best = self.after_offer and self._ready()
         lengths = self._best(rows, offered) if best else [self.planned.get(row, 0) for row in rows]
-        lengths = [self._within_budget(k, self.max_new_tokens - g - 1) for k, g in zip(lengths, generated, strict=True)]
+        # The drafts each row's budget can keep: a tree's path stops there (`_within_budget`).
+        self.keep = {row: max(0, self.max_new_tokens - g - 1) for row, g in zip(rows, generated, strict=True)}
+        lengths = [self._within_budget(k, self.keep[row]) for row, k in zip(rows, lengths, strict=True)]
         if not best:  # what the row asked for, as far as its budget goes: a budget cut is no shortfall of the drafter's
             self.planned.update(zip(rows, lengths, strict=True))
         # (A plan's forecasts already weigh what the drafter offers (the share f): taken before the offer's cut.)
-        self.expected = {row: self.forecasts[row][k] for row, k in zip(rows, lengths, strict=True)
+        self.expected = {row: self.forecasts[row][min(k, self.keep[row])] for row, k in zip(rows, lengths, strict=True)
                          if row in self.forecasts}
         lengths = [min(k, o) for k, o in zip(lengths, offered, strict=True)]
         self.chosen = dict(zip(rows, lengths, strict=True))
@@ -267,7 +271,11 @@ class DraftLengths:
 
     def verifying(self, rows: list[int], drafted: dict[int, int], tokens: int) -> None:
         """The loop verifies ``drafted[row]`` drafts of each of ``rows`` (``tokens`` in all)."""
-        self.verified = ([(row, self.planned.get(row, 0), drafted[row], self.expected.get(row)) for row in rows],
+        # Acceptance is scored on the drafts a row could keep: a tree's nodes past its budget's
+        # depth were verified (and cost their tokens) but could never be accepted.
+        keep = lambda row, k: min(k, self.keep.get(row, k))
+        self.verified = ([(row, keep(row, self.planned.get(row, 0)), keep(row, drafted[row]), self.expected.get(row))
+                          for row in rows],
                          tokens)
         for row in rows:
             self.counts[row][self.chosen[row]] += 1

@@ -74,8 +74,9 @@ class GenerationStats:
             comes from the prefill); with them it is less.
         draft_lengths: [B, K + 1] int64, how many steps row b verified a length of k = 0 .. K
             drafts: the length chosen (by adaptive speculation, else K) cut to what the drafter
-            offered and to the tokens the row's budget has left (`speculative_generate`; [B, 1]
-            for `generate`).
+            offered and, for a chain, to the tokens the row's budget has left (a tree is
+            verified whole while one draft can be kept) (`speculative_generate`; [B, 1] for
+            `generate`).
         target_forwards: batched target forward calls, the prefill included.
         draft_calls: proposals asked of the drafter.
         time_prefill_s: prompt prefill of target and draft; time_draft_prefill_s: the draft
@@ -606,7 +607,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                 stats.draft_calls += 1
                 with timer("draft"):
                     drafts = _propose(drafter, len(host_rows), width, sample_draft, logits, check)
-                lengths.trees = drafts.parents is not None  # a tree is cut by depth, not by count
+                lengths.trees = drafts.parents is not None  # near the budget a tree is verified whole
             scored = lengths.scores(drafts.logits is None and drafts.parents is None)
             texts = stream.values() or ((torch.where(kept, new, -1),) if scored else ())
             proposed = (drafts.token_ids,) if scored and width else ()
@@ -645,7 +646,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
                     target_logits, states = out if hidden else (out, None)
                 stats.target_forwards += 1
                 with timer("sampler"):
-                    room = request.max_new_tokens - 1 - outputs.counts[rows]  # the drafts each row can keep
+                    # The drafts each row's budget keeps: a tree's accepted path stops there.
+                    room = None if drafts.parents is None else request.max_new_tokens - 1 - outputs.counts[rows]
                     new, accepted, token, kept = _accept(request, target_logits, drafts, widest, room)
             states = _keep_accepted(cache, start, accepted, kept, states)
             committed_bound = longest + widest + 2  # the cache's tokens after the verify, and this step's token
@@ -738,8 +740,8 @@ def _check_speculation_options(num_draft_tokens: int, adaptive: bool) -> None:
         raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
 
 
-def _accept(request: _Request, target_logits: torch.Tensor, drafts: DraftProposal, widest: int, room: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _accept(request: _Request, target_logits: torch.Tensor, drafts: DraftProposal, widest: int,
+            room: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A verified step's new tokens [b, widest + 1] (each row's accepted drafts, then the target's
     own token), the drafts each row accepted [b], its last token [b] and, for a tree, the verify
     input's positions to keep [b, widest + 1] (token 0, then the accepted path's nodes):

@@ -330,6 +330,22 @@ def test_the_policy_cuts_each_row_to_its_own_length():
     assert policy.counts[0][3] == policy.counts[1][0] == policy.counts[2][1] == 1
 
 
+def test_a_tree_near_the_budget_keeps_its_nodes_and_is_scored_on_what_it_can_keep():
+    """The same plan and budgets with tree proposals: rows keep their lengths while one draft can
+    be kept (row 2: the budget keeps 1 of its 2), and row 2's verification is scored as 1
+    draft asked and verified (its deeper nodes could never be accepted: no miss, no shortfall)."""
+    policy = DraftLengths(4, 20, 3, adaptive=False)
+    policy.trees = True
+    assert planned(policy, [0, 1, 2], {2: 16}) == [4, 4, 4]
+    assert planned(policy, [0, 1, 2], {2: 18}) == [4, 4, 0]  # no draft can be kept
+    policy.plan([0, 1, 2], {2: 16})
+    assert policy.choose([0, 1, 2], [4, 4, 4], [0, 0, 18]) == [4, 4, 4]
+    policy.verifying([0, 1, 2], {0: 4, 1: 4, 2: 4}, 15)
+    assert policy.counts[2][4] == 1  # counted as verified: the whole tree
+    assert [(row, asked, drafted) for row, asked, drafted, _ in policy.verified[0]] == [(0, 4, 4), (1, 4, 4),
+                                                                                      (2, 1, 1)]
+
+
 def test_the_policy_decodes_plainly_when_drafting_cannot_pay():
     policy = DraftLengths(4, 20, 2, adaptive=True)
     for _ in range(10):  # drafts never accepted, verification as costly per token as decoding

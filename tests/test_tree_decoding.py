@@ -73,7 +73,7 @@ def test_a_tree_near_the_token_budget_keeps_its_nodes_and_stops_its_path(target,
     (that keeps the wrong first sibling and shallow paths): it is verified whole, and its
     accepted path stops at the budget. Each step gains its 3 right nodes and the target's token
     or what the budget has left, so the n = 16-19 tokens after the prefill's take ceil(n / 4)
-    steps, the last a plain one where only one token is left."""
+    steps (at n = 17 the last is a plain one: one token is left, no draft can be kept)."""
     ids, mask = ragged_prompts(B=4)
     plain = generate(target, ids, mask, max_new_tokens=max_new_tokens, temperature=0)
     truth = generate(target, ids, mask, max_new_tokens=max_new_tokens + 8, temperature=0).tokens
