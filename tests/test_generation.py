@@ -53,19 +53,23 @@ def test_greedy_speculative_equals_generate_without_grouped_heads(kv_heads):
             assert greedy_divergence_allowed(model, input_ids, mask, plain.tokens, row, int(differ[0]))
 
 
-def exact_first_tokens_distribution(model, prompt, temperature=1.0, top_k=None, top_p=None):
-    """Exact P(t1, t2) [V, V] and P(t3) [V] of the first generated tokens after ``prompt``."""
+def exact_joint(model, prompt, n: int, temperature=1.0, top_k=None, top_p=None) -> torch.Tensor:
+    """Exact P(t1, ..., tn) [V] * n float64 of the first n generated tokens after ``prompt``."""
     V = model.vocab_size
     with torch.no_grad():
-        p1 = process_logits(model(prompt[None], model.new_cache(1, 8))[:, -1], temperature, top_k, top_p)[0]
-        ctx = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
-        p2 = process_logits(model(ctx, model.new_cache(V, 8))[:, -1], temperature, top_k, top_p)
-        joint = p1[:, None] * p2
-        ctx3 = torch.cat([prompt.expand(V * V, -1), torch.arange(V).repeat_interleave(V)[:, None],
-                          torch.arange(V).repeat(V)[:, None]], 1)
-        p3 = process_logits(model(ctx3, model.new_cache(V * V, 8))[:, -1], temperature, top_k, top_p)
-        marginal3 = (joint.reshape(-1, 1) * p3).sum(0)
-    return joint.double(), marginal3.double()
+        probs = torch.ones(1, dtype=torch.float64)
+        for i in range(n):  # probs [V ** i] over the first i tokens, then their next token's
+            tails = torch.arange(V ** i)[:, None] // V ** torch.arange(i - 1, -1, -1) % V  # digits, first token first
+            ctx = torch.cat([prompt.expand(V ** i, -1), tails], 1)
+            logits = model(ctx, model.new_cache(V ** i, ctx.shape[1]))[:, -1]
+            probs = (probs[:, None] * process_logits(logits, temperature, top_k, top_p).double()).flatten()
+    return probs.reshape([V] * n)
+
+
+def exact_first_tokens_distribution(model, prompt, temperature=1.0, top_k=None, top_p=None):
+    """Exact P(t1, t2) [V, V] and P(t3) [V] of the first generated tokens after ``prompt``."""
+    joint = exact_joint(model, prompt, 3, temperature, top_k, top_p)
+    return joint.sum(2), joint.sum((0, 1))
 
 
 def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:

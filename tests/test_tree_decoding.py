@@ -181,30 +181,17 @@ class GreedyTree:
         self.text, self.lengths = self.text[rows], self.lengths[rows]
 
 
-def _exact_joint(model, prompt, n: int) -> torch.Tensor:
-    """P(t1, ..., tn) [V] * n of the first n sampled tokens after ``prompt`` (temperature 1)."""
-    V = model.vocab_size
-    with torch.no_grad():
-        probs = torch.ones(1, dtype=torch.float64)
-        for i in range(n):  # probs [V ** i] over the first i tokens, then their next token's
-            tails = torch.arange(V ** i)[:, None] // V ** torch.arange(i - 1, -1, -1) % V  # digits, first token first
-            ctx = torch.cat([prompt.expand(V ** i, -1), tails], 1)
-            p = torch.softmax(model(ctx, model.new_cache(V ** i, ctx.shape[1]))[:, -1].double(), -1)
-            probs = (probs[:, None] * p).flatten()
-    return probs.reshape([V] * n)
-
-
 def test_sampling_with_a_tree_stopped_at_the_budget_is_lossless():
     """Five tokens, trees of 4 nodes two deep: rows that gained two tokens at the first step
     verify a whole tree with room for one draft, so a path accepted two deep stops after one,
     and the second accepted node is the row's last token. The tokens keep the target's exact
     distribution (chi-square over the first two and the last two)."""
-    from test_generation import P_THRESHOLD, chi_square_pvalue
+    from test_generation import P_THRESHOLD, chi_square_pvalue, exact_joint
 
     V = 16
     model = tiny_llama(seed=1, scale=4.0, layers=2, hidden=32, heads=4, kv_heads=1, vocab_size=V)
     prompt = torch.tensor([3, 1, 4])
-    joint = _exact_joint(model, prompt, 5)
+    joint = exact_joint(model, prompt, 5)
     ids = prompt.expand(8000, -1).contiguous()
     out = speculative_generate(model, GreedyTree(model), ids, num_draft_tokens=4, max_new_tokens=5, seed=3,
                                adaptive=False, temperature=1.0)
