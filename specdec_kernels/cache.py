@@ -75,25 +75,25 @@ def _append_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Ten
 _APPEND = Dispatch(reference=_append_torch, torch=_append_torch, triton="specdec_kernels.kernels.cache:append_triton")
 
 
-def _compact_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, keep: torch.Tensor, num_keep: torch.Tensor,
-                   start: torch.Tensor) -> None:
-    """`KVCache.compact` of one layer on the torch backend: the kept entries gathered, then
-    written at their new positions. Entries past ``num_keep`` repeat the row's last kept one
-    (same position, same value: ``index_put_`` stays deterministic); a row keeping nothing
-    writes its entry at ``start`` onto itself."""
+def _compact_torch(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], keep: torch.Tensor,
+                   num_keep: torch.Tensor, start: torch.Tensor) -> None:
+    """`KVCache.compact` on the torch backend: in each layer's buffers the kept entries gathered,
+    then written at their new positions (the positions computed once for every layer). Entries
+    past ``num_keep`` repeat the row's last kept one (same position, same value: ``index_put_``
+    stays deterministic); a row keeping nothing writes its entry at ``start`` onto itself."""
     B, T = keep.shape
-    max_len = k_cache.shape[1]
+    max_len = k_caches[0].shape[1]
     last = torch.minimum(torch.arange(T, device=keep.device), (num_keep[:, None] - 1).clamp(min=0))  # [B, T]
     source = torch.where(num_keep[:, None] > 0, keep.gather(1, last), 0)
     rows = torch.arange(B, device=keep.device)[:, None].expand(B, T)
     source = (start[:, None] + source).clamp(max=max_len - 1)
     target = (start[:, None] + last).clamp(max=max_len - 1)
-    for cache in (k_cache, v_cache):
+    for cache in (*k_caches, *v_caches):
         cache.index_put_((rows, target), cache[rows, source])
 
 
 _COMPACT = Dispatch(reference=_compact_torch, torch=_compact_torch,
-                    triton="specdec_kernels.kernels.cache:compact_triton")
+                    triton="specdec_kernels.kernels.cache:compact_layers_triton")
 
 
 class CacheAllocationError(ValueError, MemoryError):
@@ -339,8 +339,7 @@ class KVCache:
                      "(start .. lengths - 1)")
         keep = torch.where(real, keep, steps)  # ignored entries stay where they are
         backend = resolve_backend(backend, self.device, head_dim=self.head_dim)
-        for layer in range(self.num_layers):
-            _COMPACT[backend](self.k[layer], self.v[layer], keep, num_keep, start)
+        _COMPACT[backend](self.k, self.v, keep, num_keep, start)
         self.lengths.copy_(start + num_keep)
         self.version += 1
 
