@@ -116,13 +116,13 @@ def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, keep: torch.Ten
     )
 
 
-
 def compact_layers_triton(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], keep: torch.Tensor,
                           num_keep: torch.Tensor, start: torch.Tensor) -> None:
     """`KVCache.compact` for validated arguments: `compact_triton` on each layer's buffers (one
     launch per layer)."""
     for k_cache, v_cache in zip(k_caches, v_caches, strict=True):
         compact_triton(k_cache, v_cache, keep, num_keep, start)
+
 
 def _register() -> None:
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
