@@ -21,7 +21,8 @@ setup(
     python_requires=">=3.10",
     packages=["specdec_kernels", "specdec_kernels.reference", "specdec_kernels.kernels"],
     package_dir={"specdec_kernels.kernels": "kernels"},
-    package_data={"specdec_kernels": ["heads/*.pt"]},  # trained draft heads (load_smollm2_draft)
+    # trained draft heads (load_smollm2_draft); the C source of the "panels" matmul form
+    package_data={"specdec_kernels": ["heads/*.pt", "panels.c"]},
     install_requires=[
         "torch>=2.4",  # F.rms_norm
         "einops>=0.7",

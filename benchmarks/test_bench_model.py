@@ -54,9 +54,10 @@ def weights():
     return smollm2_weights()
 
 
-# impl is the top decorator, so it varies fastest: the five forms of one row count run one after
+# impl is the top decorator, so it varies fastest: the forms of one row count run one after
 # another (the shared machine's load drifts over minutes).
-@pytest.mark.parametrize("impl", ["weight_first", "F.linear", "F.linear_input_major", "mkl_packed", "onednn_packed"])
+@pytest.mark.parametrize("impl", ["weight_first", "F.linear", "F.linear_input_major", "mkl_packed", "onednn_packed",
+                                  "panels"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 40, 64, 102, 816])
 def test_matmuls(benchmark, weights, impl, rows):
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}

@@ -1,6 +1,6 @@
 """The built-in model's CPU matmuls: ``x @ weight.T`` in the form this machine runs fastest.
 
-Four forms compute the same product for ``x`` [..., in] and ``weight`` [out, in]:
+Five forms compute the same product for ``x`` [..., in] and ``weight`` [out, in]:
 
 - ``"linear"``: ``F.linear(x, weight)``;
 - ``"weight_first"``: ``(weight @ x^T)^T`` with ``x`` made contiguous (one row is duplicated to
@@ -9,6 +9,10 @@ Four forms compute the same product for ``x`` [..., in] and ``weight`` [out, in]
 - ``"mkl_packed"``: MKL's packed GEMM from a copy of the weight packed once (x86 builds);
 - ``"onednn_packed"``: oneDNN's matmul from a copy of the weight in its blocked layout, made once
   (the ops torch's compiler uses for frozen CPU linears; builds with oneDNN);
+- ``"panels"``: the package's own kernel (``panels.c``, built at first use by the system's C
+  compiler) from a copy of the weight in panels of 16 outputs: it reads each weight once at
+  any row count, so at the few rows of decoding and verification it runs at the memory's
+  bandwidth, where the libraries' GEMMs slow down with each row (x86-64 Linux);
 
 and the weight itself may be stored row-major (``[out, in]`` contiguous, as loaded) or
 input-major (``weight.t()`` contiguous). Which is fastest depends on the row count and on the
@@ -61,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _native
 from ._checks import is_int
 
 
@@ -133,6 +138,38 @@ def onednn_packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+def panels_available() -> bool:
+    """Whether the ``"panels"`` form runs here: the package's C source built on this machine
+    (x86-64 Linux with a C compiler; `specdec_kernels._native`, whose ``unavailable_reason`` says
+    why not)."""
+    return _native.panels_library() is not None
+
+
+def panels_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The ``"panels"`` form's copy of a CPU float32 ``weight`` [out, in]: [ceil(out / 16), in,
+    16] float32, panel p holding rows 16 p .. 16 p + 15 column by column (zeros past ``out``)."""
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    packed = w.new_empty((n + 15) // 16, k, 16)
+    _native.panels_library().panels_pack(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def panels_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` from ``packed = panels_pack(weight)``, for CPU float32 ``x`` [..., in] (any
+    strides); only ``weight``'s shape is read. Each weight is read once whatever the row count
+    (``panels.c``): at the few rows of a decoding or verification step, memory's bandwidth."""
+    n, k = weight.shape
+    if not x.is_contiguous():
+        x = x.contiguous()
+    rows = x.numel() // k if k else 0
+    out = x.new_empty(*x.shape[:-1], n) if rows else x.new_zeros(*x.shape[:-1], n)
+    if rows:
+        _native.panels_library().panels_matmul(x.data_ptr(), rows, k, packed.data_ptr(), n, out.data_ptr(),
+                                               torch.get_num_threads())
+    return out
+
+
 @dataclass(frozen=True)
 class _PackedForm:
     available: Callable[[], bool]
@@ -142,7 +179,8 @@ class _PackedForm:
 
 #: The forms that run from a packed copy of the weight, by name.
 PACKED_FORMS = {"mkl_packed": _PackedForm(mkl_packing_available, mkl_pack, mkl_packed_linear),
-                "onednn_packed": _PackedForm(onednn_packing_available, onednn_pack, onednn_packed_linear)}
+                "onednn_packed": _PackedForm(onednn_packing_available, onednn_pack, onednn_packed_linear),
+                "panels": _PackedForm(panels_available, panels_pack, panels_linear)}
 FORMS = ("linear", "weight_first", *PACKED_FORMS)
 
 
@@ -423,11 +461,7 @@ def plans_file() -> Path:
 @functools.lru_cache(maxsize=1)
 def _cpu_name() -> str:
     """The CPU model from /proc/cpuinfo ("" where there is none); it cannot change in a process."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
+    return _native.cpuinfo_field("model name")
 
 
 def _plan_key(weights: Sequence[torch.Tensor]) -> str:

@@ -1,6 +1,7 @@
 """The built-in Llama matches transformers' LlamaForCausalLM on the same weights."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from specdec_kernels.matmul import (
     measure_matmul_plan,
     mkl_packing_available,
     onednn_packing_available,
+    panels_available,
     weight_first,
 )
 from specdec_kernels.model import Llama, LlamaConfig, RMSNorm
@@ -336,6 +338,7 @@ def test_linear_and_weight_first_match_f_linear_at_every_row_count(rows):
 
 needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL")
 needs_onednn = pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN")
+needs_panels = pytest.mark.skipif(not panels_available(), reason="the panels form is not built here")
 
 
 def mkl_linear_calls(fn) -> int:
@@ -388,6 +391,102 @@ def test_onednn_packed_linear_matches_f_linear_at_every_row_count(rows, input_ma
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
     strided = torch.randn(rows, 2 * 97, generator=gen)[:, ::2]  # not contiguous
     torch.testing.assert_close(layer(strided), F.linear(strided, weight), rtol=1e-5, atol=1e-5)
+
+
+def panels_calls(monkeypatch) -> list[int]:
+    """The row counts of the ``panels`` form's calls from now on (in the test)."""
+    import dataclasses
+
+    from specdec_kernels import matmul
+
+    calls, form = [], matmul.PACKED_FORMS["panels"]
+
+    def run(x, packed, weight):
+        calls.append(x.numel() // x.shape[-1])
+        return form.run(x, packed, weight)
+
+    monkeypatch.setitem(matmul.PACKED_FORMS, "panels", dataclasses.replace(form, run=run))
+    return calls
+
+
+@needs_panels
+@pytest.mark.parametrize("input_major", [False, True], ids=["row-major", "input-major"])
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 12, 13, 25, 65, 130])
+@pytest.mark.parametrize("features", [(97, 33), (64, 48), (576, 960), (1, 17)], ids=str)
+def test_panels_linear_matches_f_linear_at_every_row_count(monkeypatch, rows, input_major, features):
+    """The package's own kernel: any row count (past its register tile of 12 rows on AVX-512,
+    3 on AVX2), output counts that fill no panel pair (33: 2 panels and a part; 17: one and a
+    part) or do, either weight layout, inputs of any strides."""
+    gen = torch.Generator().manual_seed(rows)
+    n_in, n_out = features
+    layer = Linear(n_in, n_out).requires_grad_(False)
+    layer.weight.copy_(torch.randn(n_out, n_in, generator=gen))
+    weight = layer.weight.detach().clone()
+    layer.pack(MatmulPlan(input_major=input_major, forms=((1, "panels"),)))
+    calls = panels_calls(monkeypatch)
+    x = torch.randn(rows, 1, n_in, generator=gen)
+    out = layer(x)
+    assert calls == [rows] and out.shape == (rows, 1, n_out)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(rows, 2 * n_in, generator=gen)[:, ::2]  # not contiguous
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight), rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer.weight, weight)
+
+
+def test_the_panels_form_is_built_where_it_can_be():
+    """On x86-64 Linux with a C compiler the kernel must build (else the form would vanish
+    from every plan unnoticed); elsewhere the form says why it is missing."""
+    import platform
+    import shutil
+
+    from specdec_kernels import _native
+
+    buildable = (platform.system() == "Linux" and platform.machine() == "x86_64"
+                 and shutil.which(os.environ.get("CC") or "cc") and not os.environ.get(_native.DISABLE_VARIABLE))
+    if buildable:
+        assert panels_available(), _native.unavailable_reason()
+    else:
+        assert not panels_available() and _native.unavailable_reason()
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """The native library built anew into ``tmp_path`` (and reloaded as before afterwards)."""
+    from specdec_kernels import _native
+
+    monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path))
+    _native.panels_library.cache_clear()
+    yield tmp_path / "native"
+    monkeypatch.undo()
+    _native.panels_library.cache_clear()
+    _native.panels_library()
+
+
+@needs_panels
+def test_the_panels_library_says_why_it_is_missing(monkeypatch, fresh_native):
+    from specdec_kernels import _native
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    assert _native.panels_library() is None and "no C compiler: no-such-compiler" in _native.unavailable_reason()
+    _native.panels_library.cache_clear()
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert _native.panels_library() is None and "compiling panels.c with" in _native.unavailable_reason()
+    _native.panels_library.cache_clear()
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv(_native.DISABLE_VARIABLE, "1")
+    assert _native.panels_library() is None and _native.DISABLE_VARIABLE in _native.unavailable_reason()
+
+
+@needs_panels
+def test_a_corrupt_cached_panels_library_is_built_again(fresh_native):
+    from specdec_kernels import _native
+
+    path, _ = _native.library_path()
+    assert path.parent == fresh_native
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")  # as a write cut short might leave it
+    assert _native.panels_library() is not None, _native.unavailable_reason()
+    assert path.read_bytes()[:4] == b"\x7fELF"
 
 
 @pytest.mark.skipif(not bfloat16_matmuls_available(), reason="no native bfloat16 matmul here")
@@ -678,6 +777,8 @@ PLANS = [pytest.param(MKL_PACKED_PLAN, id="mkl-packed", marks=needs_mkl),
          pytest.param(ONEDNN_PLAN, id="onednn-packed", marks=needs_onednn),
          pytest.param(MatmulPlan(input_major=True, forms=((1, "mkl_packed"), (3, "onednn_packed"))),
                       id="both-packed-input-major", marks=[needs_mkl, needs_onednn]),
+         pytest.param(MatmulPlan(input_major=False, forms=((1, "panels"), (16, "mkl_packed"))), id="panels",
+                      marks=[needs_panels, needs_mkl]),
          pytest.param(WEIGHT_FIRST_PLAN, id="weight-first"),
          pytest.param(MatmulPlan(input_major=True, forms=((1, "linear"), (3, "weight_first"))), id="input-major-mixed"),
          pytest.param(None, id="measured")]
@@ -685,7 +786,7 @@ PLANS = [pytest.param(MKL_PACKED_PLAN, id="mkl-packed", marks=needs_mkl),
 
 # The op each form runs, as torch.profiler names it.
 FORM_OPS = {"linear": "aten::linear", "weight_first": "aten::mm", "mkl_packed": "mkl::_mkl_linear",
-            "onednn_packed": "mkldnn::_linear_pointwise"}
+            "onednn_packed": "mkldnn::_linear_pointwise", "panels": "panels"}
 
 
 @pytest.fixture
@@ -700,7 +801,7 @@ def plans_in_tmp_path(monkeypatch, tmp_path):
 
 @pytest.mark.usefixtures("plans_in_tmp_path")
 @pytest.mark.parametrize("plan", PLANS)
-def test_every_plan_gives_the_unprepared_logits(plan):
+def test_every_plan_gives_the_unprepared_logits(plan, monkeypatch):
     """Whatever plan `pack_weights` applies (or measures), a ragged batch's logits are those of
     the model as loaded, at one row, a few and more than 64, each matmul (2 layers x 4, and the
     head) runs the plan's form for its row count, and the weights keep their values."""
@@ -710,14 +811,17 @@ def test_every_plan_gives_the_unprepared_logits(plan):
     state = prepared.state_dict()
     assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
     gen = torch.Generator().manual_seed(6)
+    panels = panels_calls(monkeypatch) if panels_available() else []
     for B, T in ((1, 1), (3, 2), (9, 8)):
         ids = torch.randint(0, 97, (B, 4 + T), generator=gen)
         q_seqlens = torch.randint(1, T + 1, (B,), generator=gen)
         logits = logits_after_prefill((model, prepared), ids, 4, q_seqlens)
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+        panels.clear()
         with torch.inference_mode(), torch.profiler.profile() as prof:
             prepared(ids[:, :T], prepared.new_cache(B, T))  # B * T rows through every matmul
         counts = {e.key: e.count for e in prof.key_averages()}
+        counts["panels"] = len(panels)  # our own kernel: no op the profiler sees
         form = plan.form(B * T)
         assert counts.get(FORM_OPS[form]) == 9, (form, counts)
         assert not any(counts.get(FORM_OPS[other]) for other in PACKED_FORMS if other != form), counts
