@@ -48,9 +48,10 @@ def panels_library() -> ctypes.CDLL | None:
         _reason = str(e)
         return None
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.panels_pack.argtypes = [pointer, i64, i64, pointer, i32]
-    library.panels_matmul.argtypes = [pointer, i64, i64, pointer, i64, pointer, i32]
-    library.panels_pack.restype = library.panels_matmul.restype = None
+    for function in (library.panels_pack, library.panels_pack_bf16):
+        function.argtypes, function.restype = [pointer, i64, i64, pointer, i32], None
+    for function in (library.panels_matmul, library.panels_matmul_bf16):
+        function.argtypes, function.restype = [pointer, i64, i64, pointer, i64, pointer, i32], None
     return library
 
 

@@ -35,7 +35,7 @@ from ._checks import is_int
 from .cache import KVCache
 from .config import LlamaConfig
 from .drafts import DraftProposal, EarlyExitDraft, _tighter
-from .matmul import BFLOAT16_PLAN, Linear, MatmulPlan, bfloat16_matmuls_available
+from .matmul import Linear, MatmulPlan, bfloat16_matmuls_available, bfloat16_plan
 from .model import Block, FeedForward, Llama, RMSNorm
 
 HEAD_FORMAT = 1  # version of the file layout `FeatureHead.save` and `ExitHead.save` write
@@ -194,7 +194,7 @@ def _check_head_fits(target, head: FeatureHead | ExitHead) -> None:
 
 def _head_plan(target: Llama, matmul_dtype: torch.dtype | None) -> MatmulPlan | None:
     """The plan of a head's own matmuls (its layer or adapter, ``fc``, its LM head) for
-    ``matmul_dtype`` (see `FeatureHeadDraft`): `BFLOAT16_PLAN` for bfloat16, else the target's
+    ``matmul_dtype`` (see `FeatureHeadDraft`): `bfloat16_plan` for bfloat16, else the target's
     plan (None: unpacked)."""
     weight = target.output.weight
     cpu_float32 = weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -205,10 +205,12 @@ def _head_plan(target: Llama, matmul_dtype: torch.dtype | None) -> MatmulPlan | 
     if matmul_dtype != torch.bfloat16 or not cpu_float32:
         raise ValueError(f"matmul_dtype must be None, the target's dtype ({weight.dtype}) or torch.bfloat16 for a "
                          f"CPU float32 target, got {matmul_dtype!r} for a {weight.dtype} target on {weight.device}")
-    if not bfloat16_matmuls_available():
+    plan = bfloat16_plan()
+    if plan is None:
         raise RuntimeError("matmul_dtype=torch.bfloat16 needs oneDNN's native bfloat16 matmul (a CPU with "
-                           "AVX-512 BF16 or AMX), which this machine or torch build lacks")
-    return BFLOAT16_PLAN
+                           "AVX-512 BF16 or AMX) or the panels form (specdec_kernels.matmul.panels_available), "
+                           "which this machine or torch build lacks")
+    return plan
 
 
 def _set_matmuls(modules: list[nn.Module], plan: MatmulPlan | None) -> None:
@@ -282,8 +284,9 @@ class FeatureHeadDraft:
             capped by ``num_tokens``; None: `DEFAULT_TREE_DEPTH`. Ignored for a chain.
         matmul_dtype: the dtype the head's matmuls (its layer, ``fc`` and LM head) read their
             weights in. ``torch.bfloat16`` (CPU float32 targets): copies of those weights in
-            bfloat16, in oneDNN's layout (`specdec_kernels.matmul.BFLOAT16_PLAN`); inputs,
-            outputs, the head's cache and everything else stay float32. Drafting reads half the
+            bfloat16, for the package's panels kernel at a few rows and oneDNN's matmul at
+            more (`specdec_kernels.matmul.bfloat16_plan`); inputs, outputs, the head's cache
+            and everything else stay float32. Drafting reads half the
             bytes (docs/performance.md measures what that saves); the draft
             logits move in their third significant digit, which verification takes as they
             are: outputs stay the target's (greedy) or distributed as the target's (sampling).

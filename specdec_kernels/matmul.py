@@ -22,10 +22,10 @@ machine (its BLAS kernels, threads and memory): on one 2-core x86 VM MKL's packe
 and returns a `MatmulPlan` (a weight layout, and a form per row count); `Linear` follows it once
 `Llama.pack_weights` has applied it. Without a plan, `linear` picks by row count alone.
 
-A fifth form, ``"onednn_bfloat16"`` (`ROUNDED_FORMS`), reads a bfloat16 copy of the weight: half
-the bytes, so faster where a matmul streams its weight from memory, but not the same product. No
-measured plan holds it; `BFLOAT16_PLAN` applies it to a draft model, whose proposals
-verification judges whatever they are (`FeatureHeadDraft`).
+Two more forms, ``"onednn_bfloat16"`` and ``"panels_bfloat16"`` (`ROUNDED_FORMS`), read a
+bfloat16 copy of the weight: half the bytes, so faster where a matmul streams its weight from
+memory, but not the same product. No measured plan holds them; `bfloat16_plan` applies them to
+a draft model, whose proposals verification judges whatever they are (`FeatureHeadDraft`).
 
 A plan serves the rest of the process, so what else the machine did while it was measured must
 not decide it. While another process holds a core, every multi-threaded call waits for a
@@ -148,25 +148,45 @@ def panels_available() -> bool:
 def panels_pack(weight: torch.Tensor) -> torch.Tensor:
     """The ``"panels"`` form's copy of a CPU float32 ``weight`` [out, in]: [ceil(out / 16), in,
     16] float32, panel p holding rows 16 p .. 16 p + 15 column by column (zeros past ``out``)."""
-    n, k = weight.shape
-    w = weight.detach().contiguous()
-    packed = w.new_empty((n + 15) // 16, k, 16)
-    _native.panels_library().panels_pack(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
-    return packed
+    return _panels_pack(weight.detach().contiguous(), _native.panels_library().panels_pack)
 
 
 def panels_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` from ``packed = panels_pack(weight)``, for CPU float32 ``x`` [..., in] (any
     strides); only ``weight``'s shape is read. Each weight is read once whatever the row count
     (``panels.c``): at the few rows of a decoding or verification step, memory's bandwidth."""
+    return _panels_run(x, packed, weight, _native.panels_library().panels_matmul)
+
+
+def panels_bfloat16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The ``"panels_bfloat16"`` form's copy of a CPU float32 ``weight`` [out, in]: rounded to
+    bfloat16 (to nearest), in `panels_pack`'s layout."""
+    return _panels_pack(weight.detach().to(torch.bfloat16).contiguous(), _native.panels_library().panels_pack_bf16)
+
+
+def panels_bfloat16_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with the weight rounded to bfloat16, from ``packed =
+    panels_bfloat16_pack(weight)``, for CPU float32 ``x`` [..., in]: half `panels_linear`'s bytes;
+    ``x``, the products and the sums stay float32 (closer to float32's product than
+    ``"onednn_bfloat16"``, which also rounds ``x`` and the result)."""
+    return _panels_run(x, packed, weight, _native.panels_library().panels_matmul_bf16)
+
+
+def _panels_pack(weight: torch.Tensor, pack) -> torch.Tensor:
+    n, k = weight.shape
+    packed = weight.new_empty((n + 15) // 16, k, 16)
+    pack(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def _panels_run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, matmul) -> torch.Tensor:
     n, k = weight.shape
     if not x.is_contiguous():
         x = x.contiguous()
     rows = x.numel() // k if k else 0
     out = x.new_empty(*x.shape[:-1], n) if rows else x.new_zeros(*x.shape[:-1], n)
     if rows:
-        _native.panels_library().panels_matmul(x.data_ptr(), rows, k, packed.data_ptr(), n, out.data_ptr(),
-                                               torch.get_num_threads())
+        matmul(x.data_ptr(), rows, k, packed.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -209,10 +229,11 @@ def onednn_bfloat16_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.
 
 #: Forms that round to bfloat16: half the bytes of a float32 weight, products off from float32's
 #: in their third significant digit. Never measured into a plan (a model's outputs must not
-#: depend on which form won); a draft takes them by choice (`BFLOAT16_PLAN`), since verification
+#: depend on which form won); a draft takes them by choice (`bfloat16_plan`), since verification
 #: judges whatever it proposes.
 ROUNDED_FORMS = {"onednn_bfloat16": _PackedForm(bfloat16_matmuls_available, onednn_bfloat16_pack,
-                                                onednn_bfloat16_linear)}
+                                                onednn_bfloat16_linear),
+                 "panels_bfloat16": _PackedForm(panels_available, panels_bfloat16_pack, panels_bfloat16_linear)}
 
 
 def _copied_form(name: str) -> _PackedForm:
@@ -288,6 +309,22 @@ MKL_PACKED_PLAN = MatmulPlan(input_major=True, forms=((1, "linear"), (2, "mkl_pa
 
 #: oneDNN's bfloat16 matmul at every row count (`ROUNDED_FORMS`): for drafts, not exact.
 BFLOAT16_PLAN = MatmulPlan(input_major=False, forms=((1, "onednn_bfloat16"),))
+#: The panels form from bfloat16 weights at a draft step's few rows, oneDNN's bfloat16 matmul
+#: from 10 (AMX's tiles win from about 12 rows on a draft head's weights, the panels up to 8:
+#: docs/performance.md).
+PANELS_BFLOAT16_PLAN = MatmulPlan(input_major=False, forms=((1, "panels_bfloat16"), (10, "onednn_bfloat16")))
+
+
+def bfloat16_plan() -> MatmulPlan | None:
+    """The plan a draft's bfloat16 matmuls follow on this machine: `PANELS_BFLOAT16_PLAN` where
+    both forms run, the one form that runs alone at every row count, or None where neither does
+    (no native bfloat16 for oneDNN, no built ``panels.c``)."""
+    panels, onednn = panels_available(), bfloat16_matmuls_available()
+    if panels and onednn:
+        return PANELS_BFLOAT16_PLAN
+    if panels:
+        return MatmulPlan(input_major=False, forms=((1, "panels_bfloat16"),))
+    return BFLOAT16_PLAN if onednn else None
 
 # Row counts `measure_matmul_plan` times (decoding batches, verification widths: every count to 6,
 # since a batch-1 verification of K + 1 tokens runs one of them each step and a count between two

@@ -25,7 +25,7 @@ from specdec_kernels.draft_training import (
     new_head,
     train_head,
 )
-from specdec_kernels.matmul import BFLOAT16_PLAN, Linear, bfloat16_matmuls_available, mkl_packing_available
+from specdec_kernels.matmul import Linear, bfloat16_matmuls_available, bfloat16_plan, mkl_packing_available
 
 from tiny_models import V, greedy_divergence_allowed, ragged_prompts, tiny_llama
 
@@ -589,9 +589,9 @@ def test_a_head_drafts_in_bfloat16_by_default_and_greedy_outputs_stay_the_target
     plain generate's."""
     input_ids, mask = ragged_prompts(B=3, P=6, seed=5)
     drafter = FeatureHeadDraft(target, random_head(target, 50, seed=2, scale=3.0))
-    assert all(m.plan is BFLOAT16_PLAN for m in _head_linears(drafter))
+    assert all(m.plan == bfloat16_plan() for m in _head_linears(drafter))
     exit_drafter = ExitHeadDraft(target, random_exit_head(target, 50, seed=2, scale=3.0))
-    assert exit_drafter.model.output.plan is BFLOAT16_PLAN and exit_drafter.head.adapter.w13.plan is BFLOAT16_PLAN
+    assert exit_drafter.model.output.plan == exit_drafter.head.adapter.w13.plan == bfloat16_plan()
     assert all(m.plan is None for m in target.modules() if isinstance(m, Linear))
     plain = generate(target, input_ids, mask, max_new_tokens=12, temperature=0)
     for d in (drafter, exit_drafter):
@@ -629,7 +629,7 @@ def test_an_exit_head_in_bfloat16_leaves_a_packed_targets_layers_as_they_are(tar
 
     packed = copy.deepcopy(target).pack_weights(plan=MKL_PACKED_PLAN)
     drafter = ExitHeadDraft(packed, random_exit_head(target, 50, seed=2))
-    assert drafter.head.adapter.w13.plan is BFLOAT16_PLAN and drafter.model.output.plan is BFLOAT16_PLAN
+    assert drafter.head.adapter.w13.plan == drafter.model.output.plan == bfloat16_plan()
     assert all(m.plan is MKL_PACKED_PLAN for m in packed.modules() if isinstance(m, Linear))
 
 
@@ -645,7 +645,8 @@ def test_a_heads_matmul_dtype_is_checked_and_a_reused_head_follows_its_latest_dr
     from specdec_kernels import draft_heads
 
     monkeypatch.setattr(draft_heads, "bfloat16_matmuls_available", lambda: False)
-    with pytest.raises(RuntimeError, match="needs oneDNN's native bfloat16 matmul"):
+    monkeypatch.setattr(draft_heads, "bfloat16_plan", lambda: None)
+    with pytest.raises(RuntimeError, match="needs oneDNN's native bfloat16 matmul .* or the panels form"):
         FeatureHeadDraft(target, head, matmul_dtype=torch.bfloat16)
     assert all(m.plan is None for m in _head_linears(FeatureHeadDraft(target, head)))  # the default follows
 

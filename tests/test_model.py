@@ -433,6 +433,39 @@ def test_panels_linear_matches_f_linear_at_every_row_count(monkeypatch, rows, in
     assert torch.equal(layer.weight, weight)
 
 
+@needs_panels
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 13, 65])
+def test_the_panels_bfloat16_form_is_float32_arithmetic_on_the_rounded_weight(monkeypatch, rows):
+    """``"panels_bfloat16"`` rounds the weight alone: its product is float32's with the weight
+    rounded to bfloat16 (the input is not rounded, unlike ``"onednn_bfloat16"``)."""
+    gen = torch.Generator().manual_seed(rows)
+    layer = Linear(97, 33).requires_grad_(False)
+    layer.weight.copy_(torch.randn(33, 97, generator=gen))
+    weight = layer.weight.detach().clone()
+    layer.pack(MatmulPlan(input_major=False, forms=((1, "panels_bfloat16"),)))
+    assert torch.equal(layer.weight, weight) and layer.weight.dtype == torch.float32
+    x = torch.randn(rows, 1, 97, generator=gen)
+    out = layer(x)
+    assert out.shape == (rows, 1, 33) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, weight.bfloat16().float()), rtol=1e-5, atol=1e-4)
+    if rows:
+        assert not torch.allclose(out, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(rows, 2 * 97, generator=gen)[:, ::2]  # not contiguous
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight.bfloat16().float()), rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_plan_takes_the_forms_this_machine_runs(monkeypatch):
+    from specdec_kernels import matmul
+
+    for panels, onednn, expected in ((True, True, matmul.PANELS_BFLOAT16_PLAN),
+                                     (True, False, MatmulPlan(False, ((1, "panels_bfloat16"),))),
+                                     (False, True, BFLOAT16_PLAN), (False, False, None)):
+        monkeypatch.setattr(matmul, "panels_available", lambda panels=panels: panels)
+        monkeypatch.setattr(matmul, "bfloat16_matmuls_available", lambda onednn=onednn: onednn)
+        assert matmul.bfloat16_plan() == expected
+    assert matmul.PANELS_BFLOAT16_PLAN.rounded and matmul.PANELS_BFLOAT16_PLAN.form(9) == "panels_bfloat16"
+
+
 def test_the_panels_form_is_built_where_it_can_be():
     """On x86-64 Linux with a C compiler the kernel must build (else the form would vanish
     from every plan unnoticed); elsewhere the form says why it is missing."""
