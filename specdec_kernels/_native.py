@@ -32,7 +32,7 @@ _reason: str | None = None  # why panels_library() is None
 
 
 def unavailable_reason() -> str | None:
-    """Why the ``"panels"`` form is unavailable here (None: it is available, or not tried yet)."""
+    """Why the ``"panels"`` form is unavailable here (None: it is available)."""
     panels_library()
     return _reason
 
@@ -47,6 +47,7 @@ def panels_library() -> ctypes.CDLL | None:
     except _Unavailable as e:
         _reason = str(e)
         return None
+    _reason = None
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for function in (library.panels_pack, library.panels_pack_bf16):
         function.argtypes, function.restype = [pointer, i64, i64, pointer, i32], None

@@ -310,8 +310,8 @@ MKL_PACKED_PLAN = MatmulPlan(input_major=True, forms=((1, "linear"), (2, "mkl_pa
 #: oneDNN's bfloat16 matmul at every row count (`ROUNDED_FORMS`): for drafts, not exact.
 BFLOAT16_PLAN = MatmulPlan(input_major=False, forms=((1, "onednn_bfloat16"),))
 #: The panels form from bfloat16 weights at a draft step's few rows, oneDNN's bfloat16 matmul
-#: from 10 (AMX's tiles win from about 12 rows on a draft head's weights, the panels up to 8:
-#: docs/performance.md).
+#: from 10 (on a draft head's weights oneDNN's won from 12 rows on a CPU with AMX, the panels up
+#: to 8: docs/performance.md).
 PANELS_BFLOAT16_PLAN = MatmulPlan(input_major=False, forms=((1, "panels_bfloat16"), (10, "onednn_bfloat16")))
 
 
@@ -325,6 +325,7 @@ def bfloat16_plan() -> MatmulPlan | None:
     if panels:
         return MatmulPlan(input_major=False, forms=((1, "panels_bfloat16"),))
     return BFLOAT16_PLAN if onednn else None
+
 
 # Row counts `measure_matmul_plan` times (decoding batches, verification widths: every count to 6,
 # since a batch-1 verification of K + 1 tokens runs one of them each step and a count between two
