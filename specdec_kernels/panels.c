@@ -2,8 +2,8 @@
  * a decoding or verification step, reading each weight once at the memory's bandwidth.
  *
  * At 1-16 rows a decoding step's matmuls stream their weights from memory, and the arithmetic is
- * a few fused multiply-adds per weight loaded. MKL's and oneDNN's GEMMs are built for more rows:
- * on a 2-core x86 VM MKL's took 1.34x its one-row time at 5 rows and 1.46x at 8
+ * a few fused multiply-adds per weight loaded; yet MKL's and oneDNN's GEMMs slow down with each
+ * row: on a 2-core x86 VM MKL's took 1.34x its one-row time at 5 rows and 1.46x at 8
  * (docs/performance.md). Here the weight is packed once into panels of 16 outputs,
  * panel[p][i][j] = w[16 p + j][i] (the last panel zero-padded), so that a step of the inner loop
  * loads 16 consecutive weights of one input column and adds x[r][i] times them into row r's
@@ -14,7 +14,8 @@
  * Built at first use with the system's C compiler (specdec_kernels/_native.py), for the CPU it
  * runs on; OpenMP is the one torch loaded (same soname, so the loader shares it), with the thread
  * count the caller passes (torch's). Each output is a sum over i in order, in float32 with fused
- * multiply-adds: the same product as F.linear's up to rounding.
+ * multiply-adds: the same product as F.linear's up to rounding. The _bf16 functions read
+ * bfloat16 weights (the "panels_bfloat16" form, for drafts): half the bytes, the rest float32.
  */
 #include <stdint.h>
 #include <string.h>
