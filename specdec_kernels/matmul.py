@@ -148,20 +148,20 @@ def panels_available() -> bool:
 def panels_pack(weight: torch.Tensor) -> torch.Tensor:
     """The ``"panels"`` form's copy of a CPU float32 ``weight`` [out, in]: [ceil(out / 16), in,
     16] float32, panel p holding rows 16 p .. 16 p + 15 column by column (zeros past ``out``)."""
-    return _panels_pack(weight.detach().contiguous(), _native.panels_library().panels_pack)
+    return _panels_pack(weight, _native.panels_library().panels_pack, torch.float32)
 
 
 def panels_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` from ``packed = panels_pack(weight)``, for CPU float32 ``x`` [..., in] (any
     strides); only ``weight``'s shape is read. Each weight is read once whatever the row count
     (``panels.c``): at the few rows of a decoding or verification step, memory's bandwidth."""
-    return _panels_run(x, packed, weight, _native.panels_library().panels_matmul)
+    return _panels_run(x, packed, weight, _native.panels_library().panels_matmul, torch.float32)
 
 
 def panels_bfloat16_pack(weight: torch.Tensor) -> torch.Tensor:
     """The ``"panels_bfloat16"`` form's copy of a CPU float32 ``weight`` [out, in]: rounded to
     bfloat16 (to nearest), in `panels_pack`'s layout."""
-    return _panels_pack(weight.detach().to(torch.bfloat16).contiguous(), _native.panels_library().panels_pack_bf16)
+    return _panels_pack(weight, _native.panels_library().panels_pack_bf16, torch.bfloat16)
 
 
 def panels_bfloat16_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -169,18 +169,30 @@ def panels_bfloat16_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.
     panels_bfloat16_pack(weight)``, for CPU float32 ``x`` [..., in]: half `panels_linear`'s bytes;
     ``x``, the products and the sums stay float32 (closer to float32's product than
     ``"onednn_bfloat16"``, which also rounds ``x`` and the result)."""
-    return _panels_run(x, packed, weight, _native.panels_library().panels_matmul_bf16)
+    return _panels_run(x, packed, weight, _native.panels_library().panels_matmul_bf16, torch.bfloat16)
 
 
-def _panels_pack(weight: torch.Tensor, pack) -> torch.Tensor:
+def _panels_pack(weight: torch.Tensor, pack, dtype: torch.dtype) -> torch.Tensor:
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        raise ValueError(f"weight must be a CPU float32 [out, in] tensor, got {weight.dtype} "
+                         f"{list(weight.shape)} on {weight.device}")
     n, k = weight.shape
+    weight = weight.detach().to(dtype).contiguous()
     packed = weight.new_empty((n + 15) // 16, k, 16)
     pack(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
     return packed
 
 
-def _panels_run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, matmul) -> torch.Tensor:
+def _panels_run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, matmul,
+                packed_dtype: torch.dtype) -> torch.Tensor:
     n, k = weight.shape
+    panels = (n + 15) // 16
+    # The kernel reads raw memory: a wrong width, dtype or copy would read past the tensors.
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k
+            or packed.dtype != packed_dtype or packed.shape != (panels, k, 16)):
+        raise ValueError(f"x must be CPU float32 [..., {k}] and packed the {packed_dtype} [{panels}, {k}, 16] copy "
+                         f"of the weight, got x {x.dtype} {list(x.shape)} on {x.device}, packed {packed.dtype} "
+                         f"{list(packed.shape)}")
     if not x.is_contiguous():
         x = x.contiguous()
     rows = x.numel() // k if k else 0

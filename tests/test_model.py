@@ -466,6 +466,23 @@ def test_bfloat16_plan_takes_the_forms_this_machine_runs(monkeypatch):
     assert matmul.PANELS_BFLOAT16_PLAN.rounded and matmul.PANELS_BFLOAT16_PLAN.form(9) == "panels_bfloat16"
 
 
+@needs_panels
+def test_the_panels_forms_refuse_what_their_kernel_would_misread():
+    from specdec_kernels import matmul
+
+    weight = torch.randn(33, 97)
+    packed, rounded = matmul.panels_pack(weight), matmul.panels_bfloat16_pack(weight)
+    for pack in (matmul.panels_pack, matmul.panels_bfloat16_pack):
+        for bad in (weight.double(), weight[0], weight.to("meta")):
+            with pytest.raises(ValueError, match="weight must be a CPU float32 \\[out, in\\] tensor"):
+                pack(bad)
+    for run, good, other in ((matmul.panels_linear, packed, rounded), (matmul.panels_bfloat16_linear, rounded, packed)):
+        for x, copy in ((torch.randn(2, 96), good), (torch.randn(2, 97).double(), good), (torch.randn(2, 97), other),
+                        (torch.randn(2, 97), matmul.panels_pack(torch.randn(17, 97)))):
+            with pytest.raises(ValueError, match="x must be CPU float32 \\[..., 97\\] and packed"):
+                run(x, copy, weight)
+
+
 def test_the_panels_form_is_built_where_it_can_be():
     """On x86-64 Linux with a C compiler the kernel must build (else the form would vanish
     from every plan unnoticed); elsewhere the form says why it is missing."""
