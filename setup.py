@@ -21,8 +21,8 @@ setup(
     python_requires=">=3.10",
     packages=["specdec_kernels", "specdec_kernels.reference", "specdec_kernels.kernels"],
     package_dir={"specdec_kernels.kernels": "kernels"},
-    # trained draft heads (load_smollm2_draft); the C source of the "panels" matmul form
-    package_data={"specdec_kernels": ["heads/*.pt", "panels.c"]},
+    # trained draft heads (load_smollm2_draft); the C sources built at first use (specdec_kernels._native)
+    package_data={"specdec_kernels": ["heads/*.pt", "panels.c", "attention.c"]},
     install_requires=[
         "torch>=2.4",  # F.rms_norm
         "einops>=0.7",

@@ -1,4 +1,5 @@
-"""The package's C source, ``panels.c`` (the ``"panels"`` matmul form), built at first use.
+"""The package's C sources, built at first use into one library: ``panels.c`` (the ``"panels"``
+matmul form) and ``attention.c`` (the CPU path of `ragged_attention` at a few queries).
 
 The library is compiled with the system's C compiler (``$CC``, else ``cc``) for the CPU it runs
 on (``-march=native``) and kept in the package's cache folder
@@ -6,8 +7,9 @@ on (``-march=native``) and kept in the package's cache folder
 source, the compiler's identity, the flags and the CPU's feature flags: a later process loads it
 in milliseconds, and a changed source, compiler or CPU builds anew. Where it cannot be built (no
 compiler, not x86-64 Linux, a compile error) or would not share torch's OpenMP runtime, the form
-is unavailable (`panels_library` returns None and `unavailable_reason` says why) and the other
-forms serve every row count: the products are the same, only slower at a few rows.
+is unavailable (`library` returns None and `unavailable_reason` says why): the other matmul
+forms serve every row count and attention runs its torch ops, with the same results up to
+rounding, only slower at a few rows.
 ``SPECDEC_KERNELS_NO_NATIVE=1`` turns it off.
 """
 
@@ -23,37 +25,41 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("panels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("panels.c", "attention.c"))
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC")
+_NAMES = " and ".join(source.name for source in SOURCES)
 DISABLE_VARIABLE = "SPECDEC_KERNELS_NO_NATIVE"
 _COMPILE_TIMEOUT_S = 300
 
-_reason: str | None = None  # why panels_library() is None
+_reason: str | None = None  # why library() is None
 
 
 def unavailable_reason() -> str | None:
-    """Why the ``"panels"`` form is unavailable here (None: it is available)."""
-    panels_library()
+    """Why the library is unavailable here (None: it is available)."""
+    library()
     return _reason
 
 
 @functools.lru_cache(maxsize=1)
-def panels_library() -> ctypes.CDLL | None:
-    """``panels.c`` built and loaded (once per process), or None where it cannot be (see the module
-    docstring; `unavailable_reason` says why)."""
+def library() -> ctypes.CDLL | None:
+    """The sources built and loaded (once per process), or None where they cannot be (see the
+    module docstring; `unavailable_reason` says why)."""
     global _reason
     try:
-        library = _load()
+        loaded = _load()
     except _Unavailable as e:
         _reason = str(e)
         return None
     _reason = None
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for function in (library.panels_pack, library.panels_pack_bf16):
+    for function in (loaded.panels_pack, loaded.panels_pack_bf16):
         function.argtypes, function.restype = [pointer, i64, i64, pointer, i32], None
-    for function in (library.panels_matmul, library.panels_matmul_bf16):
+    for function in (loaded.panels_matmul, loaded.panels_matmul_bf16):
         function.argtypes, function.restype = [pointer, i64, i64, pointer, i64, pointer, i32], None
-    return library
+    loaded.ragged_attention_few_queries.argtypes = [pointer, *[i64] * 4, pointer, pointer, *[i64] * 5, pointer,
+                                                    pointer, i64, pointer, ctypes.c_float, pointer, pointer, i32]
+    loaded.ragged_attention_few_queries.restype = None
+    return loaded
 
 
 class _Unavailable(Exception):
@@ -76,7 +82,7 @@ def _load() -> ctypes.CDLL:
 
 
 def library_path() -> tuple[Path, str]:
-    """Where the library for this source, compiler, flags and CPU is cached, and the compiler."""
+    """Where the library for these sources, compiler, flags and CPU is cached, and the compiler."""
     if os.environ.get(DISABLE_VARIABLE, "") not in ("", "0"):
         raise _Unavailable(f"turned off by {DISABLE_VARIABLE}={os.environ[DISABLE_VARIABLE]}")
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -88,9 +94,10 @@ def library_path() -> tuple[Path, str]:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise _Unavailable(f"{compiler} --version failed: {e}") from None
-    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), version.encode(),
-                                        " ".join(FLAGS).encode(), cpuinfo_field("flags").encode()])).hexdigest()[:16]
-    return _cache_folder() / f"panels-{digest}.so", compiler
+    digest = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in SOURCES), compiler.encode(),
+                                        version.encode(), " ".join(FLAGS).encode(),
+                                        cpuinfo_field("flags").encode()])).hexdigest()[:16]
+    return _cache_folder() / f"native-{digest}.so", compiler
 
 
 def _build(compiler: str, path: Path, *, again: bool = False) -> Path:
@@ -107,12 +114,12 @@ def _build(compiler: str, path: Path, *, again: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         built = Path(scratch) / path.name
         try:
-            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                                  timeout=_COMPILE_TIMEOUT_S)
+            done = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], capture_output=True,
+                                  text=True, timeout=_COMPILE_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as e:
-            raise _Unavailable(f"compiling {SOURCE.name} with {compiler} failed: {e}") from None
+            raise _Unavailable(f"compiling {_NAMES} with {compiler} failed: {e}") from None
         if done.returncode != 0:
-            raise _Unavailable(f"compiling {SOURCE.name} with {compiler} failed:\n{done.stderr[-2000:]}")
+            raise _Unavailable(f"compiling {_NAMES} with {compiler} failed:\n{done.stderr[-2000:]}")
         os.replace(built, path)  # whole or not at all, whatever another process loads meanwhile
     return path
 

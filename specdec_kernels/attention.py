@@ -20,7 +20,11 @@ Backends (see `specdec_kernels._backend`):
   lengths (``min_seqlen``, as the decoding loops pass it) multiplies the positions below it in
   place (when they hold 1 MiB of V or more) and zeroes only the rest; when the bound covers the
   whole cache view (one row with an exact bound), nothing is copied, and with T = 1 nothing is
-  masked. Padding rows are zeroed at the end. Half-precision inputs are computed in fp32;
+  masked. Padding rows are zeroed at the end. Half-precision inputs are computed in fp32.
+  In float32 at a few queries (up to `_FEW_QUERIES_MAX_WORK` rows x queries x heads x cache
+  positions, a decoding, verification or tree step over a cache of modest length) it runs
+  ``attention.c`` instead, where the package's C sources build (`specdec_kernels._native`):
+  one call for what the ops above do in a dozen, reading only keys below each length;
 - ``"triton"``: `specdec_kernels.kernels.attention`, split-KV (flash-decoding) with a
   log-sum-exp merge; the split count is chosen per row on the device.
 
@@ -39,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import _native
 from ._backend import Dispatch, as_float32, resolve_backend
 from ._checks import DeviceCheckError, check_lengths_tensor, device_check, is_int
 from ._tree_mask import pack_tree_mask
@@ -399,6 +404,11 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     the lengths, the window and the tree mask are read through ``plan`` (made for them)."""
     B, T, Hq, D = q.shape
     Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
+    if (B * T * Hq * Lmax <= _FEW_QUERIES_MAX_WORK and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and q.device.type == "cpu" and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1):
+        library = _native.library()
+        if library is not None:
+            return _few_queries(library, q, k_cache, v_cache, scale, plan)
     G = Hq // Hkv
     # With every row full (`RaggedAttentionPlan` min_seqlen) and one query, it sees every key.
     masks = None if plan.full and T == 1 else plan.torch_masks()
@@ -423,6 +433,36 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             out.masked_fill_(masks.padding, 0.0)
         out = out.transpose(1, 2).reshape(B, T, Hq, D)
     return out if q.dtype == torch.float32 else out.to(q.dtype)  # a no-op .to still costs a dispatch
+
+
+# Up to this many rows x queries x heads x cache positions, the CPU path runs attention.c: at
+# SmolLM2's 9 heads of 64, a decoding step (one query) over 1,000 positions took 43 us there
+# against 143 us in the torch ops, 5 queries over 100 positions 24 against 90 us, while 16
+# queries over 2,000 positions took 1.08 ms against 0.84 (torch's GEMMs win at large products;
+# docs/performance.md).
+_FEW_QUERIES_MAX_WORK = 1 << 17
+
+
+def _few_queries(library, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 plan: RaggedAttentionPlan) -> torch.Tensor:
+    """`_ragged_attention_torch` through ``attention.c`` (float32 CPU tensors, the caches with
+    equal strides and contiguous head dims; the plan has checked the lengths, and the kernel reads
+    no cache for a row whose lengths are out of range, should a check be deferred)."""
+    B, T, Hq, D = q.shape
+    Lmax, Hkv = k_cache.shape[1], k_cache.shape[2]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    threads = torch.get_num_threads()
+    scratch = q.new_empty(threads * (Lmax + 16))
+    cache_seqlens = plan.cache_seqlens.to(torch.int64).contiguous()
+    q_seqlens = None if plan.q_seqlens is None else plan.q_seqlens.to(torch.int64).contiguous()
+    tree = None if plan.tree_mask is None else plan.tree_mask.contiguous()  # bool: one byte, 0 or 1
+    sb, sl, sh, _ = k_cache.stride()
+    library.ragged_attention_few_queries(
+        q.data_ptr(), B, T, Hq, D, k_cache.data_ptr(), v_cache.data_ptr(), sb, sl, sh, Hkv, Lmax,
+        cache_seqlens.data_ptr(), 0 if q_seqlens is None else q_seqlens.data_ptr(), plan.sliding_window or 0,
+        0 if tree is None else tree.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(), threads)
+    return out
 
 
 _RAGGED_ATTENTION = Dispatch(

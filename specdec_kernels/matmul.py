@@ -142,26 +142,26 @@ def panels_available() -> bool:
     """Whether the ``"panels"`` form runs here: the package's C source built on this machine
     (x86-64 Linux with a C compiler; `specdec_kernels._native`, whose ``unavailable_reason`` says
     why not)."""
-    return _native.panels_library() is not None
+    return _native.library() is not None
 
 
 def panels_pack(weight: torch.Tensor) -> torch.Tensor:
     """The ``"panels"`` form's copy of a CPU float32 ``weight`` [out, in]: [ceil(out / 16), in,
     16] float32, panel p holding rows 16 p .. 16 p + 15 column by column (zeros past ``out``)."""
-    return _panels_pack(weight, _native.panels_library().panels_pack, torch.float32)
+    return _panels_pack(weight, _native.library().panels_pack, torch.float32)
 
 
 def panels_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` from ``packed = panels_pack(weight)``, for CPU float32 ``x`` [..., in] (any
     strides); only ``weight``'s shape is read. Each weight is read once whatever the row count
     (``panels.c``): at the few rows of a decoding or verification step, memory's bandwidth."""
-    return _panels_run(x, packed, weight, _native.panels_library().panels_matmul, torch.float32)
+    return _panels_run(x, packed, weight, _native.library().panels_matmul, torch.float32)
 
 
 def panels_bfloat16_pack(weight: torch.Tensor) -> torch.Tensor:
     """The ``"panels_bfloat16"`` form's copy of a CPU float32 ``weight`` [out, in]: rounded to
     bfloat16 (to nearest), in `panels_pack`'s layout."""
-    return _panels_pack(weight, _native.panels_library().panels_pack_bf16, torch.bfloat16)
+    return _panels_pack(weight, _native.library().panels_pack_bf16, torch.bfloat16)
 
 
 def panels_bfloat16_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,7 @@ def panels_bfloat16_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.
     panels_bfloat16_pack(weight)``, for CPU float32 ``x`` [..., in]: half `panels_linear`'s bytes;
     ``x``, the products and the sums stay float32 (closer to float32's product than
     ``"onednn_bfloat16"``, which also rounds ``x`` and the result)."""
-    return _panels_run(x, packed, weight, _native.panels_library().panels_matmul_bf16, torch.bfloat16)
+    return _panels_run(x, packed, weight, _native.library().panels_matmul_bf16, torch.bfloat16)
 
 
 def _panels_pack(weight: torch.Tensor, pack, dtype: torch.dtype) -> torch.Tensor:

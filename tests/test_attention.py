@@ -101,6 +101,15 @@ def count_calls(monkeypatch, owner, name: str) -> list:
     return calls
 
 
+@pytest.fixture
+def torch_ops(monkeypatch) -> None:
+    """The CPU path on its torch ops at every size (the C kernel for a few queries, tested in
+    test_attention_few_queries.py, would otherwise take these tests' small shapes)."""
+    import specdec_kernels.attention as attention
+
+    monkeypatch.setattr(attention, "_FEW_QUERIES_MAX_WORK", 0)
+
+
 def torch_path_on_layout(layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
     """`make_inputs` with the cache stored in ``layout`` (`_layout`), and the torch path's output:
     ``(q, k, v, cache_seqlens, q_seqlens, out)``."""
@@ -163,8 +172,8 @@ CHUNK_CASES = [
 @pytest.mark.parametrize("layout", ["token_major", "head_major", "slice_of_longer"])
 @pytest.mark.parametrize("rows_per_chunk", [1, 2])
 @pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", CHUNK_CASES)
-def test_torch_path_in_chunks_of_rows(monkeypatch, rows_per_chunk, layout, B, T, G, Hkv, D, Lmax, lengths,
-                                      q_lens, dtype):
+def test_torch_path_in_chunks_of_rows(monkeypatch, torch_ops, rows_per_chunk, layout, B, T, G, Hkv, D, Lmax,
+                                      lengths, q_lens, dtype):
     """The CPU path multiplies V in chunks of batch rows once a cache is large; forced here on
     small caches (one or two rows per chunk): same outputs, padding rows exactly zero, and the
     NaN beyond each row's length (zeroed chunk by chunk in a reused buffer) never leaks."""
@@ -192,7 +201,7 @@ LAYOUT_CASES = [
 @pytest.mark.parametrize("layout", ["token_major", "head_major", "slice_of_longer", "shared_by_rows",
                                     "shared_by_heads", "strided_head_dim", "padded_positions"])
 @pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", LAYOUT_CASES)
-def test_torch_path_on_cache_layouts(layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
+def test_torch_path_on_cache_layouts(torch_ops, layout, B, T, G, Hkv, D, Lmax, lengths, q_lens, dtype):
     """The CPU path reads caches stored in any layout: at an offset in a longer buffer, expanded
     over rows or heads (stride 0), with head_dim values apart or strides that are not multiples
     of D; equal to the reference, the NaN beyond the lengths never read."""
@@ -204,8 +213,8 @@ def test_torch_path_on_cache_layouts(layout, B, T, G, Hkv, D, Lmax, lengths, q_l
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major", "shared_by_rows"])
 @pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,lengths,q_lens,dtype", LAYOUT_CASES)
-def test_torch_path_multiplies_the_shared_positions_in_place(monkeypatch, layout, B, T, G, Hkv, D, Lmax, lengths,
-                                                              q_lens, dtype):
+def test_torch_path_multiplies_the_shared_positions_in_place(monkeypatch, torch_ops, layout, B, T, G, Hkv, D, Lmax,
+                                                              lengths, q_lens, dtype):
     """A plan given ``min_seqlen`` (a bound below every row's length) multiplies V's positions
     below it in place (forced here on small caches) and zeroes only the rest: the same outputs
     as without the bound, for every bound from 1 to the shortest row, in one chunk and in chunks
@@ -529,7 +538,7 @@ FULL_CASES = [
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major", "shared_by_rows", "padded_positions"])
 @pytest.mark.parametrize("B,T,G,Hkv,D,Lmax,q_lens,dtype", FULL_CASES)
-def test_torch_path_with_every_row_full(monkeypatch, layout, B, T, G, Hkv, D, Lmax, q_lens, dtype):
+def test_torch_path_with_every_row_full(monkeypatch, torch_ops, layout, B, T, G, Hkv, D, Lmax, q_lens, dtype):
     """A plan told ``min_seqlen == max_len`` (no row has keys beyond its length, as one row
     decoding with an exact ``max_seqlen``) multiplies V in place, and with T = 1 applies no mask:
     equal to the reference and to the same plan without the hint."""

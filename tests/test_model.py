@@ -505,11 +505,11 @@ def fresh_native(monkeypatch, tmp_path):
     from specdec_kernels import _native
 
     monkeypatch.setenv("SPECDEC_KERNELS_CACHE", str(tmp_path))
-    _native.panels_library.cache_clear()
+    _native.library.cache_clear()
     yield tmp_path / "native"
     monkeypatch.undo()
-    _native.panels_library.cache_clear()
-    _native.panels_library()
+    _native.library.cache_clear()
+    _native.library()
 
 
 @needs_panels
@@ -517,14 +517,14 @@ def test_the_panels_library_says_why_it_is_missing(monkeypatch, fresh_native):
     from specdec_kernels import _native
 
     monkeypatch.setenv("CC", "no-such-compiler")
-    assert _native.panels_library() is None and "no C compiler: no-such-compiler" in _native.unavailable_reason()
-    _native.panels_library.cache_clear()
+    assert _native.library() is None and "no C compiler: no-such-compiler" in _native.unavailable_reason()
+    _native.library.cache_clear()
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    assert _native.panels_library() is None and "compiling panels.c with" in _native.unavailable_reason()
-    _native.panels_library.cache_clear()
+    assert _native.library() is None and "compiling panels.c and attention.c with" in _native.unavailable_reason()
+    _native.library.cache_clear()
     monkeypatch.delenv("CC")
     monkeypatch.setenv(_native.DISABLE_VARIABLE, "1")
-    assert _native.panels_library() is None and _native.DISABLE_VARIABLE in _native.unavailable_reason()
+    assert _native.library() is None and _native.DISABLE_VARIABLE in _native.unavailable_reason()
 
 
 @needs_panels
@@ -535,7 +535,7 @@ def test_a_corrupt_cached_panels_library_is_built_again(fresh_native):
     assert path.parent == fresh_native
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")  # as a write cut short might leave it
-    assert _native.panels_library() is not None, _native.unavailable_reason()
+    assert _native.library() is not None, _native.unavailable_reason()
     assert path.read_bytes()[:4] == b"\x7fELF"
 
 
