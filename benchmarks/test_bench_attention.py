@@ -91,16 +91,22 @@ def test_cpu(benchmark, impl, B, T, L, layout):
 NUM_LAYERS = 30  # SmolLM2-135M's
 
 
-@pytest.mark.parametrize("impl", ["ragged_attention", "sdpa"])
+@pytest.mark.parametrize("impl", ["ragged_attention", "ragged_attention_torch_ops", "sdpa"])
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("B,T,L", SHAPES)
-def test_cpu_forward_pass(benchmark, impl, B, T, L, layout):
+def test_cpu_forward_pass(benchmark, monkeypatch, impl, B, T, L, layout):
     """The attention of one forward pass: a `RaggedAttentionPlan` built inside the timed call
     (value checks, masks) and shared by ``NUM_LAYERS`` layer calls, as `specdec_kernels.Llama`
     builds one per forward pass, against as many SDPA calls sharing one prebuilt mask, which is
     not timed. The calls are `test_cpu`'s planned ones (no ``min_seqlen``, the whole capacity
     read, ``q_seqlens`` given); every layer reads the same cache on both sides. Medians are per
-    pass; divide by ``NUM_LAYERS`` for a layer."""
+    pass; divide by ``NUM_LAYERS`` for a layer. ``ragged_attention`` runs the C kernel for a few
+    queries where its work bound admits the shape (``extra_info["few_queries_kernel"]``);
+    ``ragged_attention_torch_ops`` the torch ops at every shape."""
+    import specdec_kernels.attention as attention
+
+    if impl == "ragged_attention_torch_ops":
+        monkeypatch.setattr(attention, "_FEW_QUERIES_MAX_WORK", 0)
     q, k, v, cache_seqlens, q_seqlens, mask = make_case(B, T, L, layout=layout)
 
     # Only the last layer's output is kept (each is released when the next call returns), as a
@@ -121,7 +127,9 @@ def test_cpu_forward_pass(benchmark, impl, B, T, L, layout):
     torch.testing.assert_close(ours(), baseline(), rtol=1e-4, atol=1e-4)
     benchmark.group = f"cpu forward pass ({NUM_LAYERS} layers) B{B}-T{T}-L{L} {layout}"
     benchmark.extra_info["torch_threads"] = torch.get_num_threads()
-    bench(benchmark, ours if impl == "ragged_attention" else baseline, rounds=10 if L < 4096 else 5)
+    benchmark.extra_info["few_queries_kernel"] = (impl == "ragged_attention" and attention._native.library() is not None
+                                                  and B * T * HQ * k.shape[1] <= attention._FEW_QUERIES_MAX_WORK)
+    bench(benchmark, baseline if impl == "sdpa" else ours, rounds=10 if L < 4096 else 5)
 
 
 # On a GPU, SmolLM2's shapes are launch-bound; a Llama-3-8B-like layer (Hq = 32, Hkv = 8, D = 128)
