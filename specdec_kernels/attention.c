@@ -65,11 +65,12 @@ static inline vec sums16(const vec* a) {
               ((lanes){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}));
 }
 
-/* scores[j] = scale * q . k[first + j] for j < count, keys `stride` floats apart. With D a multiple
- * of 16 the products are summed in vector lanes, 16 keys at a time (a last partial group gets
- * zeros for the missing keys, so every key's sum is formed the same way). */
-static void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, int64_t count, float scale,
-                     float* scores) {
+/* scores[j] = scale * q . k[j] for j < count, keys `stride` floats apart. With D a multiple of 16
+ * the products are summed in vector lanes, 16 keys at a time (a last partial group gets zeros
+ * for the missing keys, so every key's sum is formed the same way). */
+static inline __attribute__((always_inline)) void dot_keys(const float* q, const float* k, int64_t stride,
+                                                           const int64_t D, int64_t count, float scale,
+                                                           float* scores) {
   if (D % LANES) {
     for (int64_t j = 0; j < count; j++) {
       float s = 0;
@@ -88,6 +89,46 @@ static void dot_keys(const float* q, const float* k, int64_t stride, int64_t D, 
     }
     *(vec*)(scores + j0) = sums16(acc) * scale; /* scores has room for a whole last group */
   }
+}
+
+/* o[0 .. D) = sum over j < count of p[j] v[j] (keys `stride` floats apart), skipping zero weights
+ * (hidden keys). With D a multiple of 16 up to 256 the sums stay in registers. */
+static inline __attribute__((always_inline)) void weigh_values(const float* p, const float* v, int64_t stride,
+                                                               const int64_t D, int64_t count, float* o) {
+  if (D % LANES || D > 16 * LANES) {
+    memset(o, 0, D * sizeof(float));
+    for (int64_t j = 0; j < count; j++)
+      if (p[j] != 0.0f)
+        for (int64_t d = 0; d < D; d++) o[d] += p[j] * v[j * stride + d];
+    return;
+  }
+  vec acc[16];
+  for (int64_t c = 0; c < D / LANES; c++) acc[c] = (vec){0};
+  for (int64_t j = 0; j < count; j++)
+    if (p[j] != 0.0f)
+      for (int64_t c = 0; c < D / LANES; c++) acc[c] += p[j] * *(const vec*)(v + j * stride + c * LANES);
+  for (int64_t c = 0; c < D / LANES; c++) memcpy(o + c * LANES, &acc[c], sizeof(vec));
+}
+
+/* One query's output o [D] over keys k, values v [count, D] (`stride` floats apart), hidden keys
+ * -inf in the scores s [count + 16] it fills first. */
+static inline __attribute__((always_inline)) void one_query(const float* q, const float* k, const float* v,
+                                                            int64_t stride, const int64_t D, int64_t count,
+                                                            float scale, const uint8_t* sees, int64_t new_from,
+                                                            float* s, float* o) {
+  dot_keys(q, k, stride, D, count, scale, s);
+  if (sees) /* a tree: the new tokens (from new_from on) this query does not see */
+    for (int64_t j = new_from; j < count; j++)
+      if (!sees[j - new_from]) s[j] = -INFINITY;
+  float m = -INFINITY;
+  for (int64_t j = 0; j < count; j++) m = s[j] > m ? s[j] : m;
+  for (int64_t j = count; j < count + LANES; j++) s[j] = -INFINITY;
+  for (int64_t j = 0; j < count; j += LANES) *(vec*)(s + j) = exp16(*(vec*)(s + j) - m);
+  float sum = 0;
+  for (int64_t j = 0; j < count; j++) sum += s[j];
+  float inv = 1.0f / sum;
+  for (int64_t j = 0; j < count; j++) s[j] *= inv;
+  weigh_values(s, v, stride, D, count, o);
 }
 
 /* out [B, T, Hq, D] from q [B, T, Hq, D] (both contiguous) and the caches k, v [B, Lmax, Hkv, D]
@@ -112,32 +153,22 @@ void ragged_attention_few_queries(const float* q, int64_t B, int64_t T, int64_t 
       for (int64_t d = 0; d < D; d++) o[d] = NAN;
       continue;
     }
-    memset(o, 0, D * sizeof(float));
-    if (t >= n) continue;
+    if (t >= n) {
+      memset(o, 0, D * sizeof(float));
+      continue;
+    }
     int64_t start = L - n, last = start + t;
     int64_t first = !tree && window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
     int64_t count = (tree ? L : last + 1) - first;
+    const float* qr = q + ((b * T + t) * Hq + h) * D;
     const float* kh = k + b * sb + kvh * sh + first * sl;
     const float* vh = v + b * sb + kvh * sh + first * sl;
+    const uint8_t* sees = tree ? tree + (b * T + t) * T : 0;
     float* s = scratch + (int64_t)omp_get_thread_num() * (Lmax + LANES);
-    dot_keys(q + ((b * T + t) * Hq + h) * D, kh, sl, D, count, scale, s);
-    if (tree) { /* the new tokens this query does not see */
-      const uint8_t* sees = tree + (b * T + t) * T;
-      for (int64_t j = start - first; j < count; j++)
-        if (!sees[first + j - start]) s[j] = -INFINITY;
-    }
-    float m = -INFINITY;
-    for (int64_t j = 0; j < count; j++) m = s[j] > m ? s[j] : m;
-    for (int64_t j = count; j < count + LANES; j++) s[j] = -INFINITY;
-    for (int64_t j = 0; j < count; j += LANES) *(vec*)(s + j) = exp16(*(vec*)(s + j) - m);
-    float sum = 0;
-    for (int64_t j = 0; j < count; j++) sum += s[j];
-    float inv = 1.0f / sum;
-    for (int64_t j = 0; j < count; j++) {
-      float p = s[j] * inv;
-      if (p == 0.0f) continue; /* a hidden key (or one whose weight underflowed) adds nothing */
-      const float* vr = vh + j * sl;
-      for (int64_t d = 0; d < D; d++) o[d] += p * vr[d];
+    switch (D) { /* the common head dims with constant loop bounds */
+      case 64: one_query(qr, kh, vh, sl, 64, count, scale, sees, start - first, s, o); break;
+      case 128: one_query(qr, kh, vh, sl, 128, count, scale, sees, start - first, s, o); break;
+      default: one_query(qr, kh, vh, sl, D, count, scale, sees, start - first, s, o);
     }
   }
 }
