@@ -75,10 +75,13 @@ def describe_environment() -> str:
         lines.append(f"  {op:26} " + ", ".join(f"{d} -> {auto_backend(d)}" for d in devices))
     forms = [name for name in FORMS if name not in PACKED_FORMS or PACKED_FORMS[name].available()]
     lines.append(f"CPU matmul forms Llama.pack_weights times: {', '.join(forms)}")
-    if "panels" not in forms:
-        from specdec_kernels._native import unavailable_reason
+    from specdec_kernels._native import unavailable_reason
 
-        lines.append(f"  (no panels form: {unavailable_reason()})")
+    missing = unavailable_reason()
+    if missing:
+        lines.append(f"  (no panels form: {missing})")
+    lines.append("CPU float32 attention at a few queries: "
+                 + (f"torch ops (no attention.c: {missing})" if missing else "attention.c"))
     lines.append("draft heads' matmuls on a CPU float32 target: "
                  + ("bfloat16 (native here)" if bfloat16_matmuls_available() else "float32 (no native bfloat16 here)"))
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """Install layout (`kernels/` ships as `specdec_kernels.kernels`, never as a top-level `kernels`),
 the ``env`` command, and the cached conversion of the embedded model (the demo: test_demo.py)."""
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -47,6 +48,10 @@ def test_main_job_prints_environment():
     proc = subprocess.run([sys.executable, "-m", "specdec_kernels", "env"], capture_output=True, text=True,
                           check=True)
     assert "torch" in proc.stdout and "backend per op" in proc.stdout
+    assert "CPU float32 attention at a few queries: " in proc.stdout
+    off = subprocess.run([sys.executable, "-m", "specdec_kernels", "env"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "SPECDEC_KERNELS_NO_NATIVE": "1"})
+    assert "torch ops (no attention.c: turned off by SPECDEC_KERNELS_NO_NATIVE=1)" in off.stdout
 
 
 def test_ci_runs_exactly_the_readme_test_command():
