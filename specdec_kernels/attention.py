@@ -435,11 +435,10 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out if q.dtype == torch.float32 else out.to(q.dtype)  # a no-op .to still costs a dispatch
 
 
-# Up to this many rows x queries x heads x cache positions, the CPU path runs attention.c: at
-# SmolLM2's 9 heads of 64, a decoding step (one query) over 1,000 positions took 43 us there
-# against 143 us in the torch ops, 5 queries over 100 positions 24 against 90 us, while 16
-# queries over 2,000 positions took 1.08 ms against 0.84 (torch's GEMMs win at large products;
-# docs/performance.md).
+# Up to this many rows x queries x heads x cache positions the CPU path runs attention.c, which
+# computes each query alone; past it the torch ops' batched GEMMs, which read each key once for
+# the queries and heads that share it, are faster where rows have several queries
+# (docs/performance.md, "The C kernel for a few queries").
 _FEW_QUERIES_MAX_WORK = 1 << 17
 
 
