@@ -437,7 +437,7 @@ def _ragged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 # Up to this many rows x queries x heads x cache positions the CPU path runs attention.c, which
 # computes each query alone; past it the torch ops' batched GEMMs, which read each key once for
-# the queries and heads that share it, are faster where rows have several queries
+# the queries and heads that share it, are faster at most shapes with several queries per row
 # (docs/performance.md, "The C kernel for a few queries").
 _FEW_QUERIES_MAX_WORK = 1 << 17
 
