@@ -6,8 +6,8 @@
  * so right after a matmul has streamed its weights through the core's caches. Here one call
  * computes every (row, query, head): the scores of the keys the query sees, their softmax and
  * the weighted sum of the values, reading only keys below the row's length. attention.py runs
- * it up to a work bound (rows x queries x heads x cache positions) past which torch's GEMMs are
- * faster.
+ * it up to a work bound (rows x queries x heads x cache positions) past which torch's GEMMs,
+ * which read each key once for every query sharing it, are faster at most shapes.
  *
  * Each (row, query, head) is computed alone, in the same order whatever the other queries, so a
  * query's output does not depend on how many queries share the call, and a tree mask equal to
