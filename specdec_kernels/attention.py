@@ -214,6 +214,7 @@ class RaggedAttentionPlan:
                                          "for every row's first q_seqlens queries")
         self.cache_seqlens, self.q_seqlens, self.tree_mask = cache_seqlens, q_seqlens, tree_mask
         self._tree_bits: torch.Tensor | None = None
+        self._kernel_inputs: tuple | None = None
         self.batch_size, self.num_queries, self.max_len = B, num_queries, max_len
         self.min_seqlen = min_seqlen or 0  # positions below it hold keys in every row
         self.sliding_window = _hiding_window(sliding_window, max_len)
@@ -282,6 +283,15 @@ class RaggedAttentionPlan:
         if self._tree_bits is None:
             self._tree_bits = pack_tree_mask(self.tree_mask)
         return self._tree_bits
+
+    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``cache_seqlens``, ``q_seqlens`` (int64) and the tree mask (bool, one byte each) as
+        ``attention.c`` reads them: contiguous, made on the first call and shared by the layers."""
+        if self._kernel_inputs is None:
+            self._kernel_inputs = tuple(None if x is None else x.contiguous() for x in (
+                self.cache_seqlens.to(torch.int64), None if self.q_seqlens is None else self.q_seqlens.to(torch.int64),
+                self.tree_mask))
+        return self._kernel_inputs
 
     def value_keep(self) -> torch.Tensor:
         """[B, 1, Lmax, 1] int32: all ones (-1) on each row's valid keys, 0 beyond (the CPU path's
@@ -453,9 +463,7 @@ def _few_queries(library, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = torch.empty_like(q)
     threads = torch.get_num_threads()
     scratch = q.new_empty(threads * (Lmax + 16))
-    cache_seqlens = plan.cache_seqlens.to(torch.int64).contiguous()
-    q_seqlens = None if plan.q_seqlens is None else plan.q_seqlens.to(torch.int64).contiguous()
-    tree = None if plan.tree_mask is None else plan.tree_mask.contiguous()  # bool: one byte, 0 or 1
+    cache_seqlens, q_seqlens, tree = plan.kernel_inputs()
     sb, sl, sh, _ = k_cache.stride()
     library.ragged_attention_few_queries(
         q.data_ptr(), B, T, Hq, D, k_cache.data_ptr(), v_cache.data_ptr(), sb, sl, sh, Hkv, Lmax,
