@@ -38,6 +38,16 @@ change (or carried costs gone stale) is learned. Acceptance is never carried: it
 the text. A drafter that has proposed nothing in the first steps leaves no drafting to price:
 the policy then starts without, and its shares f keep asking rare.
 
+Costs that price drafting out are re-measured only by drafting: a drafting cost or a verify
+width timed while the machine was loaded would keep a good drafter off for good (a row's
+acceptance drifts back to the prior, which the inflated costs still price out). So after
+`PROBE_AFTER` timed steps in a row without a draft verified (counted across calls, with the
+carried verify costs), the next step verifies one draft per row even where the policy would
+decode plainly, and what it measures weighs as much as all the costs of that kind measured
+before. Each such forced probe doubles the wait for the next, and a draft the policy chooses
+itself resets it, so a drafter that really does not pay costs one forced probe in
+`PROBE_AFTER`, then in twice that, and so on.
+
 Deterministic chains (no draft logits, no tree: prompt lookup, n-gram drafters) are scored
 against the text instead of by their verification: each proposal's tokens are compared with
 the tokens the rows go on to commit, verified or not. Verification accepts such a draft exactly
@@ -76,6 +86,9 @@ UNANSWERED_STEPS = 8
 SHADOW_SHARE = 0.02
 
 LINE_WEIGHT = 2.0  # samples' worth of the fitted line in each token count's mean verify time
+# Timed steps in a row without a draft verified before one is forced (module docstring): at most
+# about one drafting step's cost in this many steps, less as the wait doubles.
+PROBE_AFTER = 64
 
 
 # Costs per object (a target's verify costs, a drafter's drafting costs), then per way of
@@ -186,9 +199,13 @@ class DraftLengths:
         self.timed_drafts = False  # whether a verification with drafts was timed
         # Verify costs measured by earlier calls (`known_costs`), kept current in ``known``.
         self.known, self.carried = known, bool(adaptive and known)
+        # Timed steps since a draft was verified, and how many a forced probe waits for (carried
+        # with the verify costs: a lock-out outlives the call that timed it).
+        self.stale = [0, PROBE_AFTER]
+        self.forcing = self.forced = False  # a forced probe planned; the verification being made is one
         if self.carried:
             self.verify, self.verify_at = copy.copy(known["verify"]), dict(known["verify_at"])
-            self.overhead = known["overhead"]
+            self.overhead, self.stale = known["overhead"], list(known["stale"])
         # Drafting costs measured by earlier calls with this drafter, kept current likewise.
         self.known_drafting = known_drafting
         if adaptive and known_drafting:
@@ -213,7 +230,7 @@ class DraftLengths:
         elif self.shadowing:  # chosen once the proposal is seen
             lengths = [self.K] * len(rows)
         else:
-            lengths = self._best(rows)
+            lengths = self._forced_probe(self._best(rows))
         self.planned = {row: self._within_budget(k, self.max_new_tokens - generated.get(row, 0) - 2)
                         for row, k in zip(rows, lengths, strict=True)}
         # Whether `choose` picks the lengths once the offer is seen (where every cost is measured
@@ -247,7 +264,10 @@ class DraftLengths:
         past the room the caches hold (`Drafter.prefill`'s ``max_len``). A tree keeps its nodes
         (`_within_budget`)."""
         best = self.after_offer and self._ready()
-        lengths = self._best(rows, offered) if best else [self.planned.get(row, 0) for row in rows]
+        if best:
+            lengths = self._forced_probe(self._best(rows, offered), offered)
+        else:
+            lengths = [self.planned.get(row, 0) for row in rows]
         # The drafts each row's budget can keep: a tree's path stops there (`_within_budget`).
         self.keep = {row: max(0, self.max_new_tokens - g - 1) for row, g in zip(rows, generated, strict=True)}
         lengths = [self._within_budget(k, self.keep[row]) for row, k in zip(rows, lengths, strict=True)]
@@ -259,6 +279,15 @@ class DraftLengths:
         lengths = [min(k, o) for k, o in zip(lengths, offered, strict=True)]
         self.chosen = dict(zip(rows, lengths, strict=True))
         return lengths
+
+    def _forced_probe(self, lengths: list[int], offered: list[int] | None = None) -> list[int]:
+        """``lengths``, or one draft per row (as far as ``offered``) where they are all 0 and the
+        costs have gone unmeasured for the steps a forced probe waits (module docstring)."""
+        in_flight = any(self._in_flight().values()) and offered is None  # its outcome is not yet seen
+        if any(lengths) or in_flight or self.stale[0] < self.stale[1]:
+            return lengths
+        self.forcing = True
+        return [1 if offered is None else min(1, o) for o in offered or lengths]
 
     def _within_budget(self, k: int, room: int) -> int:
         """A row's length ``k`` where at most ``room`` of its drafts can be kept. A chain keeps
@@ -279,6 +308,7 @@ class DraftLengths:
                          tokens)
         for row in rows:
             self.counts[row][self.chosen[row]] += 1
+        self.forced, self.forcing = self.forcing and tokens > len(rows), False
 
     def observe(self, rows: list[int], accepted: list[int], verify_s: float, draft_s: float,
                 committed: list[list[int]] | None = None, proposals: list[list[int]] | None = None) -> None:
@@ -493,6 +523,20 @@ class DraftLengths:
             self.dropped += 1
             return
         self.dropped = 0
+        # Costs unmeasured for the steps a forced probe waits: the next sample of each kind weighs
+        # as much as all before it (module docstring).
+        drafted, stale = verify_tokens > len(rows), self.stale[0] >= self.stale[1]
+        if draft_tokens and stale and self.proposals > 1:
+            share = 1 / self.proposals
+            self.draft_seconds, self.draft_tokens = share * self.draft_seconds, share * self.draft_tokens
+            self.proposal_seconds, self.proposals = share * self.proposal_seconds, 1.0
+        if drafted and stale and self.verify_at.get(verify_tokens, (0.0, 0.0))[1] > 1:
+            seconds, weight = self.verify_at[verify_tokens]
+            self.verify_at[verify_tokens] = (seconds / weight, 1.0)
+        if drafted:
+            self.stale = [0, 2 * self.stale[1] if self.forced else PROBE_AFTER]
+        else:
+            self.stale[0] += 1
         if draft_tokens:
             self.draft_seconds = COST_DECAY * self.draft_seconds + draft_s
             self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
@@ -519,4 +563,5 @@ class DraftLengths:
         self.overhead = rest if self.overhead is None else COST_DECAY * self.overhead + (1 - COST_DECAY) * rest
         if self.known is not None and len(self.verify_at) > 1 and (self.carried or self.steps_seen > 2):
             # For the next call (`known_costs`): the live estimates, copied when it starts.
-            self.known.update(verify=self.verify, verify_at=self.verify_at, overhead=self.overhead)
+            self.known.update(verify=self.verify, verify_at=self.verify_at, overhead=self.overhead,
+                              stale=list(self.stale))

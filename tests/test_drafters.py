@@ -911,7 +911,7 @@ def test_verify_costs_carry_to_the_next_call_at_the_same_batch_size():
     accept, verify_s = (lambda r, k: k), (lambda n, step: 0.030 + 0.0005 * n)
     first = [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known), [0], 12, accept, verify_s,
                                        draft_s=lambda w: 0.0003 * w)]
-    assert first[:3] == [1, 1, 0] and set(known) == {"verify", "verify_at", "overhead"}, first
+    assert first[:3] == [1, 1, 0] and set(known) == {"verify", "verify_at", "overhead", "stale"}, first
     slow_start = lambda n, step: (50 if step == 0 else 1) * verify_s(n, step)
     policy = DraftLengths(4, 10**6, 1, True, known)
     second = [k for k, in in_loop_order(policy, [0], 12, accept, slow_start, draft_s=lambda w: 0.0003 * w)]
@@ -968,6 +968,55 @@ def test_carried_costs_give_way_to_a_lasting_change(monkeypatch):
     assert seconds / weight > 0.1, known["verify_at"]
 
 
+def _clocked(monkeypatch):
+    """A clock that advances only by what the simulated phases spend, and ``spend(seconds)``."""
+    clock = [0.0]
+    monkeypatch.setattr(_draft_lengths, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def spend(seconds):
+        clock[0] += seconds
+        return seconds
+    return spend
+
+
+def test_costs_timed_under_load_do_not_lock_a_good_draft_out(monkeypatch):
+    """A first call timed drafting at 20 ms a token (the machine loaded) and its draft then failed;
+    carried to the next calls, those costs price out even the prior acceptance, so no step would
+    draft again to re-measure them. After `PROBE_AFTER` plain steps (counted across calls) one
+    step is forced to draft; it finds drafting at 0.3 ms a token, weighs that as much as all
+    before, and the good draft is drafted in full from then on."""
+    spend = _clocked(monkeypatch)
+    verify_s = lambda n, step: spend(0.030 + 0.001 * n)
+    known, drafting = {}, {}
+    first = in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0], 40, lambda r, k: 0, verify_s,
+                          lambda w: spend(0.020 * w))
+    assert sum(k for k, in first) == 2, first  # the start-up probes only
+    calls = [[k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0], 48, lambda r, k: k,
+                                        verify_s, lambda w: spend(0.0003 * w))] for _ in range(3)]
+    forced = next(i for i, k in enumerate(calls[0]) if k)
+    plain_steps = 38 + forced  # after the first call's two start-up probes
+    assert _draft_lengths.PROBE_AFTER <= plain_steps <= _draft_lengths.PROBE_AFTER + 3, calls[0]
+    assert calls[0][forced] == 1 and set(calls[0][forced + 12:]) == {4}, calls[0]
+    assert all(set(lengths[2:]) == {4} for lengths in calls[1:]), calls  # (acceptance starts from the prior)
+    seconds, tokens, _, _ = drafting["drafting"]
+    assert seconds / tokens < 0.005
+
+
+def test_forced_probes_of_a_useless_draft_grow_apart(monkeypatch):
+    """A draft that never pays (80% of a step per token, never accepted): the forced probes come
+    after `PROBE_AFTER` plain steps, then twice as many, and so on, so over 2,000 steps they cost
+    under 1% of the time; a probe the policy chooses itself is not forced."""
+    spend = _clocked(monkeypatch)
+    policy = DraftLengths(4, 10**6, 1, adaptive=True)
+    chosen = in_loop_order(policy, [0], 2000, lambda r, k: 0, lambda n, step: spend(0.030 + 0.001 * n),
+                           lambda w: spend(0.025 * w))
+    drafting = [i for i, (k,) in enumerate(chosen) if k]
+    gaps = [b - a for a, b in zip(drafting[1:], drafting[2:], strict=False)]
+    assert 6 <= len(drafting) <= 8 and all(g > 60 for g in gaps), drafting
+    assert all(b >= 1.9 * a for a, b in zip(gaps, gaps[1:], strict=False)), gaps
+    assert sum(0.026 * k for k, in chosen[2:]) < 0.01 * 0.031 * len(chosen)
+
+
 def test_speculative_generate_keeps_verify_costs_per_target_and_way_of_running(target):
     """Costs are kept per target and batch size, device, CUDA graphs, greedy or sampled and
     drafter class, and drafting costs per drafter object likewise; a second call starts from
@@ -980,7 +1029,7 @@ def test_speculative_generate_keeps_verify_costs_per_target_and_way_of_running(t
         spec = speculative_generate(target, drafter, ids, mask, max_new_tokens=40, temperature=0)
         assert torch.equal(spec.tokens, plain.tokens)
         known = _draft_lengths.known_costs(target, (2, "cpu", False, True, "OracleDraft"))
-        assert set(known) == {"verify", "verify_at", "overhead"}
+        assert set(known) == {"verify", "verify_at", "overhead", "stale"}
         drafting = _draft_lengths.known_costs(drafter, ("drafting", 2, "cpu", False, True, "OracleDraft"))
         assert set(drafting) == {"drafting"}
     assert _draft_lengths.known_costs(Oracle(truth), ("drafting", 2, "cpu", False, True, "OracleDraft")) == {}
