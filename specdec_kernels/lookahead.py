@@ -39,7 +39,7 @@ import time
 import torch
 
 from ._checks import is_int
-from ._draft_lengths import COST_DECAY, DECAY
+from ._draft_lengths import COST_DECAY, DECAY, known_costs
 from ._model_calls import (
     _accepts,
     _decoding_forward,
@@ -143,10 +143,14 @@ class LookaheadSwitch:
       steps where every least advanced row has candidates, and counted as 0 on the others: a
       gain of some rows only lets them leave the batch early.
     - **Cost**: the seconds of a plain step, and of each token a verify or a lookahead step adds
-      to it, per kind (forgotten by `COST_DECAY`; the first step of each kind, which pays
-      one-time costs, is not counted). Until a kind is timed, its tokens are priced at the
-      prefill's seconds per token beyond a plain step's, so that a batch where wide steps cannot
-      pay never runs one.
+      to it, per kind (forgotten by `COST_DECAY`; the first step of each kind in a call, which
+      may pay one-time costs, is not counted). Until a kind is timed, its tokens are priced as
+      the other wide kind's, or before either is timed at the prefill's seconds per token beyond
+      a plain step's. The costs belong to the model and the way it runs, not to the text: with
+      ``known`` (`known_costs` of the model, per batch size and way of running) a call starts
+      from those earlier calls measured and keeps them current, so only a process's first call
+      prices its first wide step by a prior (at batch 8 on a CPU the prefill's token costs a
+      third of a wide step's).
     - **Choice**: plain steps until one is timed; then, when a row has candidates, the wider
       kind with the more plain steps' worth per second, ``(1 + value / plain) / seconds``, if it
       promises `MARGIN` times a plain step's, else a plain step. ``value``, the seconds of plain
@@ -159,15 +163,19 @@ class LookaheadSwitch:
       step (whose window may find what the candidates miss) in place of a verify or plain step,
       a verify step in place of a plain one where the candidates' gain would pay at no cost.
 
-    ``adaptive=False``: always lookahead. Host arithmetic on the numbers and tokens the loop's
-    transfer brings: no synchronization.
+    ``adaptive=False``: always lookahead (nothing carried). Host arithmetic on the numbers and
+    tokens the loop's transfer brings: no synchronization.
     """
 
-    def __init__(self, adaptive: bool, ngram: int) -> None:
+    def __init__(self, adaptive: bool, ngram: int, known: dict | None = None) -> None:
         self.adaptive, self.length = adaptive, ngram - 1
         self.plain = [0.0, 0.0]          # forgotten sums: plain step seconds, samples
         # Forgotten sums per wider kind: a step's seconds per token it adds to a plain step, samples.
         self.per_token = {VERIFY: [0.0, 0.0], LOOKAHEAD: [0.0, 0.0]}
+        self.known = known if adaptive else None  # the costs earlier calls run alike measured, kept current
+        if self.known:
+            self.plain = list(self.known["plain"])
+            self.per_token = {kind: list(sums) for kind, sums in self.known["per_token"].items()}
         self.prefill_per_token = 0.0     # the prior of per_token
         self.prefill: tuple[float, int, int] | None = None  # seconds, tokens, rows
         self.seen = {PLAIN: 0, VERIFY: 0, LOOKAHEAD: 0}
@@ -210,6 +218,8 @@ class LookaheadSwitch:
                 extra = max(0.0, seconds - self._plain_seconds()) / (tokens - rows)
                 total, samples = self.per_token[kind]
                 self.per_token[kind] = [COST_DECAY * total + extra, COST_DECAY * samples + 1]
+            if self.known is not None and self.plain[1]:  # for the next call run alike
+                self.known.update(plain=list(self.plain), per_token={k: list(v) for k, v in self.per_token.items()})
         if kind != PLAIN:
             _add(self.gain[kind], [g for g, h in zip(gained, had, strict=True) if h])
             left = range(len(gained)) if running is None else running
@@ -273,9 +283,13 @@ class LookaheadSwitch:
         return self._plain_seconds() + self._token_seconds(kind) * max(0, tokens - rows)
 
     def _token_seconds(self, kind: str) -> float:
-        """The seconds each token beyond one per row adds to a step of ``kind``, as priced now."""
-        total, samples = self.per_token[kind]
-        return total / samples if samples else self.prefill_per_token
+        """The seconds each token beyond one per row adds to a step of ``kind``, as priced now: as
+        measured, else as the other wide kind's, else at the prefill's price."""
+        other = LOOKAHEAD if kind == VERIFY else VERIFY
+        for total, samples in (self.per_token[kind], self.per_token[other]):
+            if samples:
+                return total / samples
+        return self.prefill_per_token
 
     def _resolve(self, rows: list[int], texts: list[list[int]]) -> None:
         """Score the shadow candidates of plain steps whose running rows have all committed
@@ -383,8 +397,10 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         pool_size: the most first tokens a row's pool keeps.
         adaptive: choose each step between a lookahead step, a verify step (the candidates
             without the lookahead branch) and a plain one from the measured costs and gains
-            (`LookaheadSwitch`), so that lookahead costs little where it does not pay; False:
-            every step is a lookahead step.
+            (`LookaheadSwitch`), so that lookahead costs little where it does not pay; the
+            step costs carry over to the next call on the same ``model`` object run alike
+            (batch size, device, CUDA graphs, greedy or sampled, W, N, G), as
+            `speculative_generate`'s verify costs do. False: every step is a lookahead step.
 
     A lookahead step scores T = 1 + W * (N - 1) + n tokens per row, n the most candidate tree
     nodes any row has that step (at most G * (N - 1): candidates sharing a prefix share its
@@ -408,7 +424,7 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     if not isinstance(adaptive, bool):
         raise TypeError(f"adaptive must be True or False, got {adaptive!r}")
     t_start = time.perf_counter()
-    model = as_protocol_model(model)
+    given, model = model, as_protocol_model(model)
     if not _accepts(model, "tree_mask"):
         raise TypeError(f"lookahead_generate needs a model whose forward takes tree_mask (the built-in Llama and "
                         f"HFCausalLM do), got {type(model).__name__}")
@@ -453,7 +469,9 @@ def lookahead_generate(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     stats.target_forwards += 1
     new, accepted = token[:, None], torch.zeros_like(rows)
     grams = torch.empty(B, 0, L + 1, dtype=torch.int64, device=device)
-    switch = LookaheadSwitch(adaptive, L + 1)
+    # The step costs of earlier calls on this model run alike (the gains belong to the text: not carried).
+    way = ("lookahead", B, str(device), graphs, temperature == 0, W, L + 1, G)
+    switch = LookaheadSwitch(adaptive, L + 1, known_costs(given, way) if adaptive else None)
     prompt_tokens, first_step = sum(map(len, texts)), True
     with stream:
         while True:

@@ -11,7 +11,7 @@ import torch
 from test_sampling_distribution import chi_square_pvalue
 
 from specdec_kernels import generate, lookahead_generate
-from specdec_kernels._draft_lengths import DECAY
+from specdec_kernels._draft_lengths import DECAY, known_costs
 from specdec_kernels.lookahead import (
     GAIN_PRIOR_SAMPLES,
     LOOKAHEAD,
@@ -429,3 +429,38 @@ def test_an_adaptive_run_takes_verify_steps_where_they_pay(target, monkeypatch):
     assert all("_rows_still_running" in e.where for e in in_loop), in_loop
     assert len(in_loop) == int(out.stats.num_steps.max()) + 1
     assert torch.equal(out.tokens, generate(target, ids, mask, max_new_tokens=16, temperature=0).tokens)
+
+
+def test_an_untimed_wide_kind_is_priced_as_the_other_wide_kind():
+    """The prefill prices a token at 10% of a plain step; a verify step timed at a token per
+    plain step prices the lookahead step's tokens alike until one is timed: it does not pay."""
+    switch = _switch_after_two_plain_steps(prefill_seconds=0.01 + 100 * 0.001)
+    set_gain(switch, VERIFY, [8.0, 8.0])  # a token per step: a verify step pays at 10% a token
+    assert switch._token_seconds(LOOKAHEAD) == pytest.approx(0.001)
+    assert switch.choose([0], [[(4, 5)]], {0: [1, 2, 3]}, 7, 3) == VERIFY
+    switch.observe(0.03, [1])  # the first verify step: not timed
+    assert switch.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4, 5]}, 7, 3) == VERIFY
+    switch.observe(0.03, [1])  # timed: each of its 2 extra tokens costs a plain step
+    assert switch._token_seconds(LOOKAHEAD) == pytest.approx(0.01)
+    assert switch.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4, 5, 6, 7]}, 7, 3) == PLAIN
+
+
+def test_lookahead_step_costs_carry_to_the_next_call_run_alike(target):
+    """A second call on the same model, batch size and settings starts from the step costs the
+    first measured (its wide steps are not priced by the prefill); another batch size or
+    (W, N, G) starts afresh; greedy tokens stay `generate`'s."""
+    ids, mask = ragged_prompts(B=2, seed=3)
+    plain = generate(target, ids, mask, max_new_tokens=20, temperature=0)
+    way = ("lookahead", 2, "cpu", False, True, 2, 3, 4)
+    for _ in range(2):
+        out = lookahead_generate(target, ids, mask, window=2, ngram=3, guesses=4, max_new_tokens=20)
+        assert torch.equal(out.tokens, plain.tokens)
+        known = known_costs(target, way)
+        assert set(known) == {"plain", "per_token"} and known["plain"][1] > 1, known
+    switch = LookaheadSwitch(adaptive=True, ngram=3, known=known)
+    assert switch.plain == known["plain"] and switch.plain is not known["plain"]
+    assert known_costs(target, ("lookahead", 1, "cpu", False, True, 2, 3, 4)) == {}
+    assert known_costs(target, ("lookahead", 2, "cpu", False, True, 1, 3, 4)) == {}
+    before = list(known["plain"])
+    lookahead_generate(target, ids, mask, max_new_tokens=20, adaptive=False)
+    assert known_costs(target, way)["plain"] == before  # fixed steps neither read nor keep them
