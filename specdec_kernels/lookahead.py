@@ -162,6 +162,8 @@ class LookaheadSwitch:
       its kind took 1 / `PROBE_SHARE` times the extra seconds it is expected to cost: a lookahead
       step (whose window may find what the candidates miss) in place of a verify or plain step,
       a verify step in place of a plain one where the candidates' gain would pay at no cost.
+      A probe's timed cost weighs as much as all the samples of its kind before it, so that one
+      probe corrects an estimate gone stale (carried from calls timed under another load).
 
     ``adaptive=False``: always lookahead (nothing carried). Host arithmetic on the numbers and
     tokens the loop's transfer brings: no synchronization.
@@ -187,8 +189,9 @@ class LookaheadSwitch:
         # Plain steps' shadow candidates: per step, each row's (text length, progress, candidates).
         self.pending: list[dict[int, tuple[int, int, list[tuple[int, ...]]]]] = []
         self.first_length: dict[int, int] = {}  # row -> its text's length at its first choice
-        # kind, rows with candidates, their progress, whether the batch's gain is measured, tokens, rows
-        self.step: tuple[str, list[bool], list[int], bool, int, int] | None = None
+        # kind, rows with candidates, their progress, whether the batch's gain is measured, tokens,
+        # rows, whether it is a probe
+        self.step: tuple[str, list[bool], list[int], bool, int, int, bool] | None = None
         self.since = {VERIFY: 0, LOOKAHEAD: 0}  # steps since the last step of each wider kind
         self.slow_calls = GraphedForward.slow_calls  # graphed forwards that did not replay, so far
 
@@ -206,7 +209,7 @@ class LookaheadSwitch:
         slow_calls, self.slow_calls = self.slow_calls, GraphedForward.slow_calls
         if self.step is None:
             return
-        (kind, had, progress, least_have, tokens, rows), self.step = self.step, None
+        (kind, had, progress, least_have, tokens, rows, probe), self.step = self.step, None
         self.seen[kind] += 1
         if self.seen[kind] > 1 and slow_calls == self.slow_calls:
             if kind == PLAIN:
@@ -217,6 +220,8 @@ class LookaheadSwitch:
             elif self.plain[1] and tokens > rows:
                 extra = max(0.0, seconds - self._plain_seconds()) / (tokens - rows)
                 total, samples = self.per_token[kind]
+                if probe and samples > 1:  # a probe re-measures: it weighs as much as the samples before it
+                    total, samples = total / samples, 1.0
                 self.per_token[kind] = [COST_DECAY * total + extra, COST_DECAY * samples + 1]
             if self.known is not None and self.plain[1]:  # for the next call run alike
                 self.known.update(plain=list(self.plain), per_token={k: list(v) for k, v in self.per_token.items()})
@@ -238,6 +243,7 @@ class LookaheadSwitch:
         # Whether every least advanced row has candidates: else the batch cannot gain this step.
         least = min(progress)
         least_have = all(h for h, p in zip(has, progress, strict=True) if p == least)
+        probe = False  # a step the estimates did not choose, taken to measure what they may have wrong
         if not self.adaptive:
             kind = LOOKAHEAD
         elif not self.plain[1] or not any(has):
@@ -263,16 +269,16 @@ class LookaheadSwitch:
             kind = best if worth[best] * plain_s >= MARGIN * seconds[best] else PLAIN
             due = {k: self.since[k] * plain_s * PROBE_SHARE >= seconds[k] - plain_s for k in seconds}
             if kind != LOOKAHEAD and due[LOOKAHEAD]:
-                kind = LOOKAHEAD
+                kind, probe = LOOKAHEAD, True
             elif kind == PLAIN and due[VERIFY] and worth[VERIFY] >= MARGIN:
-                kind = VERIFY
+                kind, probe = VERIFY, True
         if kind == PLAIN and any(has):  # measure in the shadow what verifying the candidates would have gained
             self.pending.append({row: (len(texts[row]), p, c) for row, p, c in zip(rows, progress, candidates,
                                                                                  strict=True)})
         for k in self.since:
             self.since[k] = 0 if kind == k else self.since[k] + 1
         tokens = {PLAIN: len(rows), VERIFY: verify_tokens, LOOKAHEAD: lookahead_tokens}[kind]
-        self.step = (kind, has, progress, least_have, tokens, len(rows))
+        self.step = (kind, has, progress, least_have, tokens, len(rows), probe)
         return kind
 
     def _plain_seconds(self) -> float:

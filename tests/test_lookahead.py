@@ -11,7 +11,7 @@ import torch
 from test_sampling_distribution import chi_square_pvalue
 
 from specdec_kernels import generate, lookahead_generate
-from specdec_kernels._draft_lengths import DECAY, known_costs
+from specdec_kernels._draft_lengths import COST_DECAY, DECAY, known_costs
 from specdec_kernels.lookahead import (
     GAIN_PRIOR_SAMPLES,
     LOOKAHEAD,
@@ -464,3 +464,20 @@ def test_lookahead_step_costs_carry_to_the_next_call_run_alike(target):
     before = list(known["plain"])
     lookahead_generate(target, ids, mask, max_new_tokens=20, adaptive=False)
     assert known_costs(target, way)["plain"] == before  # fixed steps neither read nor keep them
+
+
+def test_a_probe_corrects_a_stale_carried_cost():
+    """Lookahead tokens carried at 10 times their cost (timed under another load) are priced out;
+    the probes still come (their spacing priced by the stale cost), and the first timed one
+    weighs as much as the 20 carried samples: the estimate falls halfway at once."""
+    known = {"plain": [0.01 * 20, 20.0], "per_token": {VERIFY: [0.0, 0.0], LOOKAHEAD: [0.003 * 20, 20.0]}}
+    switch = LookaheadSwitch(adaptive=True, ngram=3, known=known)
+    set_gain(switch, LOOKAHEAD, [1.0, 8.0])
+    texts, kinds = {0: [1, 2, 3]}, []
+    while kinds.count(LOOKAHEAD) < 2:  # the first of a kind in a call is not timed
+        kinds.append(switch.choose([0], [[(4, 5)]], texts, 9, 3))
+        switch.observe(0.01 + (8 * 0.0003 if kinds[-1] == LOOKAHEAD else 2 * 0.0003 * (kinds[-1] == VERIFY)), [0])
+        texts[0] = texts[0] + [7]
+        assert len(kinds) < 1000
+    assert kinds[0] == PLAIN and switch._token_seconds(LOOKAHEAD) == pytest.approx((0.003 + 0.0003) / 2, rel=0.1)
+    assert known["per_token"][LOOKAHEAD][1] == pytest.approx(COST_DECAY * 1 + 1)  # kept for the next call
