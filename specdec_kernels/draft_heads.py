@@ -372,17 +372,18 @@ class FeatureHeadDraft:
             proposal = self._tree(logits[:, -1], feature, committed, read, num_tokens)
             self.cache.crop(committed)
             return proposal
-        tokens, all_logits = [], []
+        # The proposal's target-vocabulary logits, filled once: each draft token's row is written
+        # in place (one op per token, not a fill, a copy and a final stack).
+        full = logits.new_full((logits.shape[0], num_tokens, self.target.vocab_size), float("-inf"))
+        tokens = []
         for i in range(num_tokens):
-            full = self._full_vocab(logits[:, -1])
-            token = sample(full)
+            token = sample(full[:, i].index_copy_(-1, self.vocab, logits[:, -1]))
             tokens.append(token)
-            all_logits.append(full)
             if i + 1 < num_tokens:  # the head's own feature and its draft token, one position on
                 logits, feature = self._forward(token[:, None], feature[:, -1:], None, last_only=False,
                                                 max_seqlen=read + i + 1)
         self.cache.crop(committed)
-        return DraftProposal(torch.stack(tokens, 1), None, torch.stack(all_logits, 1))
+        return DraftProposal(torch.stack(tokens, 1), None, full)
 
     def _tree(self, logits: torch.Tensor, feature: torch.Tensor, committed: torch.Tensor, read: int,
               num_tokens: int) -> DraftProposal:
@@ -451,9 +452,6 @@ class FeatureHeadDraft:
         if last_only:  # each row's last real pair (q_seqlens given)
             hidden = hidden.gather(1, (q_seqlens - 1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
         return logits, hidden
-
-    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        return _full_vocab(logits, self.vocab, self.target.vocab_size)
 
 
 def _full_vocab(logits: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
