@@ -42,11 +42,12 @@ Costs that price drafting out are re-measured only by drafting: a drafting cost 
 width timed while the machine was loaded would keep a good drafter off for good (a row's
 acceptance drifts back to the prior, which the inflated costs still price out). So after
 `PROBE_AFTER` timed steps in a row without a draft verified (counted across calls, with the
-carried verify costs), the next step verifies one draft per row even where the policy would
-decode plainly, and what it measures weighs as much as all the costs of that kind measured
-before. Each such forced probe doubles the wait for the next, and a draft the policy chooses
-itself resets it, so a drafter that really does not pay costs one forced probe in
-`PROBE_AFTER`, then in twice that, and so on.
+carried verify costs), the next step that would decode plainly verifies one draft per row
+instead (as far as each row's offer and budget allow), and what it measures replaces the
+drafting cost and the verify time at its token count measured before. Each such forced probe
+doubles the wait for the next (one whose rows were offered nothing counts too), and a draft the
+policy chooses itself resets it, so a drafter that really does not pay costs one forced probe
+in `PROBE_AFTER` steps, then in twice that, and so on.
 
 Deterministic chains (no draft logits, no tree: prompt lookup, n-gram drafters) are scored
 against the text instead of by their verification: each proposal's tokens are compared with
@@ -205,7 +206,7 @@ class DraftLengths:
         self.forcing = self.forced = False  # a forced probe planned; the verification being made is one
         if self.carried:
             self.verify, self.verify_at = copy.copy(known["verify"]), dict(known["verify_at"])
-            self.overhead, self.stale = known["overhead"], list(known["stale"])
+            self.overhead, self.stale = known["overhead"], list(known.get("stale", self.stale))
         # Drafting costs measured by earlier calls with this drafter, kept current likewise.
         self.known_drafting = known_drafting
         if adaptive and known_drafting:
@@ -282,9 +283,11 @@ class DraftLengths:
 
     def _forced_probe(self, lengths: list[int], offered: list[int] | None = None) -> list[int]:
         """``lengths``, or one draft per row (as far as ``offered``) where they are all 0 and the
-        costs have gone unmeasured for the steps a forced probe waits (module docstring)."""
-        in_flight = any(self._in_flight().values()) and offered is None  # its outcome is not yet seen
-        if any(lengths) or in_flight or self.stale[0] < self.stale[1]:
+        costs have gone unmeasured for the steps a forced probe waits (module docstring); not
+        while a drafting verification's outcome is unseen (a plan, ``offered`` None), nor before a
+        step of the call is timed (the call's first may be left out, and the probe with it)."""
+        in_flight = any(self._in_flight().values()) and offered is None
+        if any(lengths) or in_flight or self.steps_seen < 1 or self.stale[0] < self.stale[1]:
             return lengths
         self.forcing = True
         return [1 if offered is None else min(1, o) for o in offered or lengths]
@@ -308,6 +311,8 @@ class DraftLengths:
                          tokens)
         for row in rows:
             self.counts[row][self.chosen[row]] += 1
+        if self.forcing and tokens == len(rows):  # a forced probe whose rows were offered nothing: waits anew
+            self.stale = [0, 2 * self.stale[1]]
         self.forced, self.forcing = self.forcing and tokens > len(rows), False
 
     def observe(self, rows: list[int], accepted: list[int], verify_s: float, draft_s: float,
@@ -523,20 +528,10 @@ class DraftLengths:
             self.dropped += 1
             return
         self.dropped = 0
-        # Costs unmeasured for the steps a forced probe waits: the next sample of each kind weighs
-        # as much as all before it (module docstring).
-        drafted, stale = verify_tokens > len(rows), self.stale[0] >= self.stale[1]
-        if draft_tokens and stale and self.proposals > 1:
-            share = 1 / self.proposals
-            self.draft_seconds, self.draft_tokens = share * self.draft_seconds, share * self.draft_tokens
-            self.proposal_seconds, self.proposals = share * self.proposal_seconds, 1.0
-        if drafted and stale and self.verify_at.get(verify_tokens, (0.0, 0.0))[1] > 1:
-            seconds, weight = self.verify_at[verify_tokens]
-            self.verify_at[verify_tokens] = (seconds / weight, 1.0)
-        if drafted:
-            self.stale = [0, 2 * self.stale[1] if self.forced else PROBE_AFTER]
-        else:
-            self.stale[0] += 1
+        # Costs unmeasured for the steps a forced probe waits: this step's replace them (module docstring).
+        stale = self.stale[0] >= self.stale[1]
+        if draft_tokens and stale:
+            self.draft_seconds = self.draft_tokens = self.proposal_seconds = self.proposals = 0.0
         if draft_tokens:
             self.draft_seconds = COST_DECAY * self.draft_seconds + draft_s
             self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
@@ -548,6 +543,14 @@ class DraftLengths:
         self.timed_drafts |= verify_tokens > len(rows)
         if self.carried and self.steps_seen == 1:  # the carried costs stand in for the first step's
             return
+        if verify_tokens > len(rows):  # a draft verified: the costs are measured
+            if stale:
+                self.verify_at.pop(verify_tokens, None)
+            self.stale = [0, 2 * self.stale[1] if self.forced else PROBE_AFTER]
+        else:
+            self.stale[0] += 1
+        if self.known is not None and "verify" in self.known:  # (for the next call: a lock-out outlives this one)
+            self.known["stale"] = list(self.stale)
         if self.steps_seen == 2 and not self.carried:  # the first step's times stood in until now (module docstring)
             self.verify, self.verify_at, self.overhead = _DecayedLine(), {}, None
             self.step_seconds, self.steps = 0.0, 0.0

@@ -143,8 +143,8 @@ class LookaheadSwitch:
       steps where every least advanced row has candidates, and counted as 0 on the others: a
       gain of some rows only lets them leave the batch early.
     - **Cost**: the seconds of a plain step, and of each token a verify or a lookahead step adds
-      to it, per kind (forgotten by `COST_DECAY`; the first step of each kind in a call, which
-      may pay one-time costs, is not counted). Until a kind is timed, its tokens are priced as
+      to it, per kind (forgotten by `COST_DECAY`; the first step of each kind in a call without
+      carried costs, which may pay one-time costs, is not counted). Until a kind is timed, its tokens are priced as
       the other wide kind's, or before either is timed at the prefill's seconds per token beyond
       a plain step's. The costs belong to the model and the way it runs, not to the text: with
       ``known`` (`known_costs` of the model, per batch size and way of running) a call starts
@@ -175,7 +175,8 @@ class LookaheadSwitch:
         # Forgotten sums per wider kind: a step's seconds per token it adds to a plain step, samples.
         self.per_token = {VERIFY: [0.0, 0.0], LOOKAHEAD: [0.0, 0.0]}
         self.known = known if adaptive else None  # the costs earlier calls run alike measured, kept current
-        if self.known:
+        self.carried = bool(self.known)
+        if self.carried:
             self.plain = list(self.known["plain"])
             self.per_token = {kind: list(sums) for kind, sums in self.known["per_token"].items()}
         self.prefill_per_token = 0.0     # the prior of per_token
@@ -211,11 +212,13 @@ class LookaheadSwitch:
             return
         (kind, had, progress, least_have, tokens, rows, probe), self.step = self.step, None
         self.seen[kind] += 1
-        if self.seen[kind] > 1 and slow_calls == self.slow_calls:
+        # The first step of each kind may pay one-time costs: left out, unless the costs are
+        # carried (earlier calls paid them), where it may be the probe that corrects them.
+        if (self.seen[kind] > 1 or self.carried) and slow_calls == self.slow_calls:
             if kind == PLAIN:
                 self.plain[0], self.plain[1] = COST_DECAY * self.plain[0] + seconds, COST_DECAY * self.plain[1] + 1
-                if self.plain[1] == 1 and self.prefill is not None:
-                    t, n, b = self.prefill
+                if self.prefill is not None:  # the call's first timed plain step gives the prior
+                    (t, n, b), self.prefill = self.prefill, None
                     self.prefill_per_token = max(0.0, t - seconds) / max(n - b, 1)
             elif self.plain[1] and tokens > rows:
                 extra = max(0.0, seconds - self._plain_seconds()) / (tokens - rows)

@@ -468,16 +468,36 @@ def test_lookahead_step_costs_carry_to_the_next_call_run_alike(target):
 
 def test_a_probe_corrects_a_stale_carried_cost():
     """Lookahead tokens carried at 10 times their cost (timed under another load) are priced out;
-    the probes still come (their spacing priced by the stale cost), and the first timed one
-    weighs as much as the 20 carried samples: the estimate falls halfway at once."""
+    the probes still come (their spacing priced by the stale cost), and the first (timed: the
+    costs are carried) weighs as much as the 20 carried samples: the estimate falls halfway at once."""
     known = {"plain": [0.01 * 20, 20.0], "per_token": {VERIFY: [0.0, 0.0], LOOKAHEAD: [0.003 * 20, 20.0]}}
     switch = LookaheadSwitch(adaptive=True, ngram=3, known=known)
     set_gain(switch, LOOKAHEAD, [1.0, 8.0])
     texts, kinds = {0: [1, 2, 3]}, []
-    while kinds.count(LOOKAHEAD) < 2:  # the first of a kind in a call is not timed
+    while LOOKAHEAD not in kinds:
         kinds.append(switch.choose([0], [[(4, 5)]], texts, 9, 3))
         switch.observe(0.01 + (8 * 0.0003 if kinds[-1] == LOOKAHEAD else 2 * 0.0003 * (kinds[-1] == VERIFY)), [0])
         texts[0] = texts[0] + [7]
         assert len(kinds) < 1000
     assert kinds[0] == PLAIN and switch._token_seconds(LOOKAHEAD) == pytest.approx((0.003 + 0.0003) / 2, rel=0.1)
     assert known["per_token"][LOOKAHEAD][1] == pytest.approx(COST_DECAY * 1 + 1)  # kept for the next call
+
+
+def test_a_carried_call_prices_untimed_wide_steps_by_its_own_prefill():
+    """Carried costs with only plain steps timed: the next call still prices wide tokens by its
+    prefill (here a token costs 100 plain steps), not at nothing."""
+    known, texts = {}, [[1, 2, 3]]
+    first = LookaheadSwitch(adaptive=True, ngram=3, known=known)
+    first.prefilled(0.01 + 100 * 0.0001, 101, 1)
+    for _ in range(3):
+        assert first.choose([0], [[]], texts, 5, 1) == PLAIN
+        first.observe(0.01, [0])
+    assert known["per_token"] == {VERIFY: [0.0, 0.0], LOOKAHEAD: [0.0, 0.0]}
+    switch = LookaheadSwitch(adaptive=True, ngram=3, known=known)
+    switch.prefilled(0.01 + 100 * 1.0, 101, 1)
+    assert switch.choose([0], [[]], texts, 5, 1) == PLAIN
+    switch.observe(0.01, [0])  # timed (the costs are carried): the prefill's price is set
+    set_gain(switch, LOOKAHEAD, [8.0, 8.0])
+    set_gain(switch, VERIFY, [8.0, 8.0])
+    assert switch._token_seconds(LOOKAHEAD) == pytest.approx(1.0)
+    assert switch.choose([0], [[(4, 5)]], {0: [1, 2, 3, 4]}, 7, 3) == PLAIN
