@@ -144,13 +144,13 @@ class LookaheadSwitch:
       gain of some rows only lets them leave the batch early.
     - **Cost**: the seconds of a plain step, and of each token a verify or a lookahead step adds
       to it, per kind (forgotten by `COST_DECAY`; the first step of each kind in a call without
-      carried costs, which may pay one-time costs, is not counted). Until a kind is timed, its tokens are priced as
-      the other wide kind's, or before either is timed at the prefill's seconds per token beyond
-      a plain step's. The costs belong to the model and the way it runs, not to the text: with
-      ``known`` (`known_costs` of the model, per batch size and way of running) a call starts
-      from those earlier calls measured and keeps them current, so only a process's first call
-      prices its first wide step by a prior (at batch 8 on a CPU the prefill's token costs a
-      third of a wide step's).
+      carried costs, which may pay one-time costs, is not counted). Until a kind is timed, its
+      tokens are priced as the other wide kind's, or before either is timed at the prefill's
+      seconds per token beyond a plain step's. The costs belong to the model and the way it
+      runs, not to the text: with ``known`` (`known_costs` of the model, per batch size and way
+      of running) a call starts from those earlier calls measured and keeps them current, so
+      only a process's first call prices its first wide step by a prior (at batch 8 on a CPU
+      the prefill's token costs a third of a wide step's).
     - **Choice**: plain steps until one is timed; then, when a row has candidates, the wider
       kind with the more plain steps' worth per second, ``(1 + value / plain) / seconds``, if it
       promises `MARGIN` times a plain step's, else a plain step. ``value``, the seconds of plain
