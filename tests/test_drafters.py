@@ -1013,6 +1013,20 @@ def test_costs_timed_under_load_do_not_lock_a_good_draft_out(monkeypatch):
     assert seconds / tokens < 0.001
 
 
+def test_a_probe_due_at_a_calls_start_waits_for_a_timed_step(monkeypatch):
+    """A call starting with a forced probe due: its first verification is not timed (the carried
+    costs stand in), so the probe waits for a timed step, where it is measured, not wasted there."""
+    spend = _clocked(monkeypatch)
+    verify_s = lambda n, step: spend(0.030 + 0.001 * n)
+    known, drafting = {}, {}
+    in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0], 40, lambda r, k: k, verify_s,
+                  lambda w: spend(0.020 * w))
+    known["stale"] = [_draft_lengths.PROBE_AFTER, _draft_lengths.PROBE_AFTER]
+    lengths = [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0], 12, lambda r, k: k,
+                                         verify_s, lambda w: spend(0.0003 * w))]
+    assert lengths[:3] == [0, 0, 1] and set(lengths[5:]) == {4}, lengths
+
+
 def test_a_verify_width_timed_under_load_does_not_lock_a_cheap_scored_drafter_out():
     """A cheap deterministic drafter (shadowing: offered drafts scored against the text, no
     verification needed) whose rows copy their text: carried verify times of 1 and 2 tokens,
