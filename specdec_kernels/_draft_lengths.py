@@ -549,8 +549,6 @@ class DraftLengths:
             self.stale = [0, 2 * self.stale[1] if self.forced else PROBE_AFTER]
         else:
             self.stale[0] += 1
-        if self.known is not None and "verify" in self.known:  # (for the next call: a lock-out outlives this one)
-            self.known["stale"] = list(self.stale)
         if self.steps_seen == 2 and not self.carried:  # the first step's times stood in until now (module docstring)
             self.verify, self.verify_at, self.overhead = _DecayedLine(), {}, None
             self.step_seconds, self.steps = 0.0, 0.0
@@ -566,5 +564,6 @@ class DraftLengths:
         self.overhead = rest if self.overhead is None else COST_DECAY * self.overhead + (1 - COST_DECAY) * rest
         if self.known is not None and len(self.verify_at) > 1 and (self.carried or self.steps_seen > 2):
             # For the next call (`known_costs`): the live estimates, copied when it starts.
-            self.known.update(verify=self.verify, verify_at=self.verify_at, overhead=self.overhead,
-                              stale=list(self.stale))
+            self.known.update(verify=self.verify, verify_at=self.verify_at, overhead=self.overhead)
+        if self.known is not None and "verify" in self.known:  # (for the next call: a lock-out outlives this one)
+            self.known["stale"] = list(self.stale)

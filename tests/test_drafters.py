@@ -928,18 +928,23 @@ def test_verify_costs_carry_to_the_next_call_at_the_same_batch_size():
     assert all(seconds / weight < 0.04 for seconds, weight in policy.verify_at.values()), policy.verify_at
 
 
-def test_drafting_costs_carry_with_the_drafter_so_the_first_step_chooses(monkeypatch):
-    """With the verify costs and the drafter's drafting costs both carried, a call chooses from
-    its first step: a cheap, good draft is drafted at length at once, and a useless one costing
-    40% of a step per token is probed once at the start, not twice (one probe before the costs
-    are known, one timed)."""
-    clock = [0.0]  # the steps take what their verification and drafting take, nothing else
+def _clocked(monkeypatch):
+    """A clock that advances only by what the simulated phases spend, and ``spend(seconds)``."""
+    clock = [0.0]
     monkeypatch.setattr(_draft_lengths, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def spend(seconds):
         clock[0] += seconds
         return seconds
+    return spend
 
+
+def test_drafting_costs_carry_with_the_drafter_so_the_first_step_chooses(monkeypatch):
+    """With the verify costs and the drafter's drafting costs both carried, a call chooses from
+    its first step: a cheap, good draft is drafted at length at once, and a useless one costing
+    40% of a step per token is probed once at the start, not twice (one probe before the costs
+    are known, one timed)."""
+    spend = _clocked(monkeypatch)  # the steps take what their verification and drafting take, nothing else
     verify_s = lambda n, step: spend(0.030 + 0.001 * n)
     for per_token, accept in ((0.0003, lambda r, k: k), (0.012, lambda r, k: 0)):
         draft_s = lambda w, per_token=per_token: spend(per_token * w)
@@ -961,31 +966,16 @@ def test_carried_costs_give_way_to_a_lasting_change(monkeypatch):
     """A target now five times slower than when its costs were carried (a longer context,
     another load): its steps are not dropped as outliers of the stale costs, and the costs kept
     for the next call follow."""
-    clock = [0.0]
-    monkeypatch.setattr(_draft_lengths, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    spend = _clocked(monkeypatch)
 
     def timed(factor):
-        def verify_s(n, step):
-            clock[0] += factor * (0.030 + 0.0005 * n)
-            return factor * (0.030 + 0.0005 * n)
-        return verify_s
+        return lambda n, step: spend(factor * (0.030 + 0.0005 * n))
 
     known = {}
     in_loop_order(DraftLengths(4, 10**6, 1, True, known), [0], 12, lambda r, k: k, timed(1), lambda w: 0.0)
     in_loop_order(DraftLengths(4, 10**6, 1, True, known), [0], 30, lambda r, k: k, timed(5), lambda w: 0.0)
     seconds, weight = known["verify_at"][5]  # the last drafts: 4 per step
     assert seconds / weight > 0.1, known["verify_at"]
-
-
-def _clocked(monkeypatch):
-    """A clock that advances only by what the simulated phases spend, and ``spend(seconds)``."""
-    clock = [0.0]
-    monkeypatch.setattr(_draft_lengths, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-
-    def spend(seconds):
-        clock[0] += seconds
-        return seconds
-    return spend
 
 
 def test_costs_timed_under_load_do_not_lock_a_good_draft_out(monkeypatch):
