@@ -32,7 +32,9 @@ the text: a call starts from those an earlier call run alike measured on the sam
 (`known_costs`); its own first step is then not timed, and the carried costs fade under its own
 (`COST_DECAY`; a token count's mean as that count is measured again). The drafting costs belong
 to the drafter and carry likewise, on the drafter object as the call was given it: a call with
-both carried chooses from its first step, where one without times a drafting step first. A
+both carried chooses from its first step, where one without times a drafting step first (but
+where the carried costs say the drafter's kind made deterministic chains, its first proposal
+is asked for K and the lengths chosen once the offer is made: its drafting is paid by then). A
 step far slower than predicted is dropped as an outlier, but not a third in a row: a lasting
 change (or carried costs gone stale) is learned. Acceptance is never carried: it belongs to
 the text. A drafter that has proposed nothing in the first steps leaves no drafting to price:
@@ -207,6 +209,9 @@ class DraftLengths:
         if self.carried:
             self.verify, self.verify_at = copy.copy(known["verify"]), dict(known["verify_at"])
             self.overhead, self.stale = known["overhead"], list(known.get("stale", self.stale))
+            # Whether drafters of this kind made deterministic chains: then the first proposal is
+            # asked for K and its lengths chosen once the offer is seen, as on every later step.
+            self.deterministic = known.get("deterministic", False)
         # Drafting costs measured by earlier calls with this drafter, kept current likewise.
         self.known_drafting = known_drafting
         if adaptive and known_drafting:
@@ -264,7 +269,7 @@ class DraftLengths:
         tokens, and a row given more drafts than its budget keeps would commit tokens past it,
         past the room the caches hold (`Drafter.prefill`'s ``max_len``). A tree keeps its nodes
         (`_within_budget`)."""
-        best = self.after_offer and self._ready()
+        best = self.after_offer and self._ready(offer_seen=True)
         if best:
             lengths = self._forced_probe(self._best(rows, offered), offered)
         else:
@@ -373,18 +378,20 @@ class DraftLengths:
         the next step before the last one's outcome arrives)."""
         return {} if self.verified is None else {row: drafted for row, _, drafted, _ in self.verified[0]}
 
-    def _ready(self) -> bool:
+    def _ready(self, offer_seen: bool = False) -> bool:
         """Whether every cost has been measured: a second verify width too, unless the drafter
         has proposed nothing in `UNANSWERED_STEPS` timed steps (then there is no drafting to
-        price: the shares f say so, and the policy asks again as they recover)."""
+        price: the shares f say so, and the policy asks again as they recover). With the
+        ``offer_seen`` the drafting is paid: its cost need not be known yet."""
         measured = len(self.verify_at) > 1 or (self.steps_seen >= UNANSWERED_STEPS and not any(self.got))
-        return measured and self.draft_tokens > 0 and self.overhead is not None
+        return measured and (self.draft_tokens > 0 or offer_seen) and self.overhead is not None
 
     def _predicted(self, tokens: float, width: int, curve: tuple | None = None) -> float:
         """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row (when
-        shadowing, a proposal of K whatever is verified); ``curve``: `_verify_curve`, if made."""
+        shadowing, a proposal of K whatever is verified; nothing before drafting is timed: the
+        policy then chooses only once the offer is made and paid); ``curve``: `_verify_curve`, if made."""
         drafting = (self.proposal_seconds / self.proposals if self.shadowing
-                    else self.draft_seconds / self.draft_tokens * width)
+                    else self.draft_seconds / self.draft_tokens * width if self.draft_tokens else 0.0)
         return self.overhead + self._verify_seconds(tokens, curve) + drafting
 
     def _verify_curve(self) -> tuple[float, float, list[int], dict[int, float]]:
@@ -566,4 +573,4 @@ class DraftLengths:
             # For the next call (`known_costs`): the live estimates, copied when it starts.
             self.known.update(verify=self.verify, verify_at=self.verify_at, overhead=self.overhead)
         if self.known is not None and "verify" in self.known:  # (for the next call: a lock-out outlives this one)
-            self.known["stale"] = list(self.stale)
+            self.known["stale"], self.known["deterministic"] = list(self.stale), self.deterministic

@@ -920,7 +920,7 @@ def test_verify_costs_carry_to_the_next_call_at_the_same_batch_size():
     accept, verify_s = (lambda r, k: k), (lambda n, step: 0.030 + 0.0005 * n)
     first = [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known), [0], 12, accept, verify_s,
                                        draft_s=lambda w: 0.0003 * w)]
-    assert first[:3] == [1, 1, 0] and set(known) == {"verify", "verify_at", "overhead", "stale"}, first
+    assert first[:3] == [1, 1, 0] and set(known) == {"verify", "verify_at", "overhead", "stale", "deterministic"}, first
     slow_start = lambda n, step: (50 if step == 0 else 1) * verify_s(n, step)
     policy = DraftLengths(4, 10**6, 1, True, known)
     second = [k for k, in in_loop_order(policy, [0], 12, accept, slow_start, draft_s=lambda w: 0.0003 * w)]
@@ -1017,6 +1017,41 @@ def test_a_probe_due_at_a_calls_start_waits_for_a_timed_step(monkeypatch):
     assert lengths[:3] == [0, 0, 1] and set(lengths[5:]) == {4}, lengths
 
 
+def scored_call(policy: DraftLengths, steps: int, spend) -> list[int]:
+    """Drive ``policy`` as the loop drives a drafter of one row that always proposes the text's
+    continuation as a deterministic chain (scored), each phase taking its seconds on the
+    `_clocked` clock: a proposal 0.3 ms, verifying n tokens 30 ms + 1 ms per token. Returns the
+    length verified at each step."""
+    text, pos, committed, chosen, outcome = list(range(10_000)), 1, [0], [], None
+    width = policy.plan([0], {})
+    for _ in range(steps):
+        proposal = text[pos: pos + width]
+        draft_s = spend(0.0003) if width else 0.0
+        policy.scores(True)
+        policy.observe([0], *(outcome or ([0], 0.0)), draft_s, [committed], [proposal])
+        k = policy.choose([0], [len(proposal)], [0])[0]
+        policy.verifying([0], {0: k}, 1 + k)
+        chosen.append(k)
+        outcome = [k], spend(0.030 + 0.001 * (1 + k))
+        committed = text[pos: pos + k + 1]
+        pos += k + 1
+        width = policy.plan([0], {})
+    return chosen
+
+
+def test_a_scored_drafters_first_offer_is_verified_whole_where_costs_are_carried(monkeypatch):
+    """With verify costs carried from a call whose drafter made deterministic chains, a new
+    drafter of that kind (as each call may make) is asked for K at once and the whole offer is
+    verified where the costs say it pays, not one token until its drafting is timed. Its first
+    call, with nothing carried, starts with one-token drafts."""
+    spend = _clocked(monkeypatch)
+    known = {}
+    first = scored_call(DraftLengths(4, 10**6, 1, True, known, {}), 30, spend)
+    assert first[:2] == [1, 1] and set(first[-10:]) == {4} and known["deterministic"] is True, first
+    second = scored_call(DraftLengths(4, 10**6, 1, True, known, {}), 10, spend)
+    assert set(second) == {4}, second
+
+
 def test_a_verify_width_timed_under_load_does_not_lock_a_cheap_scored_drafter_out():
     """A cheap deterministic drafter (shadowing: offered drafts scored against the text, no
     verification needed) whose rows copy their text: carried verify times of 1 and 2 tokens,
@@ -1084,7 +1119,8 @@ def test_speculative_generate_keeps_verify_costs_per_target_and_way_of_running(t
         spec = speculative_generate(target, drafter, ids, mask, max_new_tokens=40, temperature=0)
         assert torch.equal(spec.tokens, plain.tokens)
         known = _draft_lengths.known_costs(target, (2, "cpu", False, True, "OracleDraft"))
-        assert set(known) == {"verify", "verify_at", "overhead", "stale"}
+        assert set(known) == {"verify", "verify_at", "overhead", "stale", "deterministic"}
+        assert known["deterministic"] is True  # the oracle's proposals: deterministic chains
         drafting = _draft_lengths.known_costs(drafter, ("drafting", 2, "cpu", False, True, "OracleDraft"))
         assert set(drafting) == {"drafting"}
     assert _draft_lengths.known_costs(Oracle(truth), ("drafting", 2, "cpu", False, True, "OracleDraft")) == {}
