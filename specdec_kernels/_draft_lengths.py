@@ -20,11 +20,19 @@ chosen whenever no draft pays for its verification.
 Every estimate is forgotten exponentially, step by step (acceptance slowly, `DECAY`; times
 fast, `COST_DECAY`, so that a slow start or a change of load soon stops counting), so it
 follows the text as it changes; a row whose drafts kept failing also drifts back to the prior
-(rates of 1/2) and is probed again with one draft token, after enough plain steps that the
-probes cost little; a row's first draft still being verified counts as a miss when the next
-step is planned (a failed probe is not repeated on the same evidence).
+and is probed again with one draft token, where the prior pays for it, after enough plain steps
+that the probes cost little; a row's first draft still being verified counts as a miss when the
+next step is planned (a failed probe is not repeated on the same evidence). The prior of the
+rates c_j is 1/2; that of a row's first-draft rate a is the rate pooled over every row's
+verified first drafts, forgotten slowly (`PRIOR_DECAY`), worth `PRIOR_WEIGHT` of the row's own
+samples, and carried with the verify costs (1/2 before any): what drafters of this kind were
+accepted on this target, so that a call does not start by probing a draft that earlier calls
+found useless (a prefix of the target's layers, accepted under 1% of the time), nor a row of a
+batch keep probing it.
 Before costs are measured, steps draft one token per row until a drafting step has been
-timed, then decode plainly until a second token count has been timed. The first step's verify and
+timed, then decode plainly until a second token count has been timed (with the verify costs
+carried, a step where not even a free draft would pay at the prior decodes plainly: there is no
+drafting to time). The first step's verify and
 step times stand in until the second's replace them (it may pay one-time costs; a step that ran a
 CUDA-graph shape eagerly or recorded it is not timed at all). The verify costs (the line, the
 seconds per token count, the loop's overhead) belong to the target and the way it runs, not to
@@ -36,8 +44,8 @@ both carried chooses from its first step, where one without times a drafting ste
 where the carried costs say the drafter's kind made deterministic chains, its first proposal
 is asked for K and the lengths chosen once the offer is made: its drafting is paid by then). A
 step far slower than predicted is dropped as an outlier, but not a third in a row: a lasting
-change (or carried costs gone stale) is learned. Acceptance is never carried: it belongs to
-the text. A drafter that has proposed nothing in the first steps leaves no drafting to price:
+change (or carried costs gone stale) is learned. Acceptance is carried only as that prior:
+it belongs to the text. A drafter that has proposed nothing in the first steps leaves no drafting to price:
 the policy then starts without, and its shares f keep asking rare.
 
 Costs that price drafting out are re-measured only by drafting: a drafting cost or a verify
@@ -80,6 +88,9 @@ import weakref
 from .cuda_graphs import GraphedForward
 
 DECAY = 0.98  # acceptance, per step: what was seen ~35 steps ago weighs half
+# The prior a row's first-draft rate starts from and drifts back to, pooled over rows and calls,
+# per step: what was seen ~700 steps ago weighs half. Worth PRIOR_WEIGHT samples of the row's own.
+PRIOR_DECAY, PRIOR_WEIGHT = 0.999, 2.0
 COST_DECAY = 0.95  # times, per step: ~20 steps averaged (outliers are dropped, the first step replaced)
 # Timed steps a drafter may answer with nothing before the policy starts without drafting costs
 # (a text's first n-grams often match nothing yet: asking a few steps more is cheap).
@@ -169,6 +180,9 @@ class DraftLengths:
         # for and tokens proposed; pooled over rows, per draft position j >= 2: drafts reached
         # (their predecessor accepted) and accepted.
         self.first_drafts, self.first_accepted = [0.0] * batch_size, [0.0] * batch_size
+        # The same pooled over rows and forgotten slowly (`PRIOR_DECAY`): the prior's evidence,
+        # carried with the verify costs (the drafter's kind on this target).
+        self.pooled = [0.0, 0.0]  # first drafts verified, accepted
         self.asked, self.got = [0.0] * batch_size, [0.0] * batch_size
         self.reached, self.passed = [0.0] * (max_tokens + 1), [0.0] * (max_tokens + 1)
         # Deterministic chains are scored against the text (module docstring): per row, the
@@ -201,7 +215,7 @@ class DraftLengths:
         self.dropped = 0  # timed steps dropped in a row as outliers
         self.timed_drafts = False  # whether a verification with drafts was timed
         # Verify costs measured by earlier calls (`known_costs`), kept current in ``known``.
-        self.known, self.carried = known, bool(adaptive and known)
+        self.known, self.carried = known, bool(adaptive and known and "verify" in known)
         # Timed steps since a draft was verified, and how many a forced probe waits for (carried
         # with the verify costs: a lock-out outlives the call that timed it).
         self.stale = [0, PROBE_AFTER]
@@ -209,13 +223,18 @@ class DraftLengths:
         if self.carried:
             self.verify, self.verify_at = copy.copy(known["verify"]), dict(known["verify_at"])
             self.overhead, self.stale = known["overhead"], list(known.get("stale", self.stale))
+            self.pooled = list(known.get("pooled", self.pooled))
+            self.step_seconds, self.steps = known.get("step", (0.0, 0.0))
             # Whether drafters of this kind made deterministic chains: then the first proposal is
             # asked for K and its lengths chosen once the offer is seen, as on every later step.
             self.deterministic = known.get("deterministic", False)
-        # Drafting costs measured by earlier calls with this drafter, kept current likewise.
+        # Drafting costs measured by earlier calls with this drafter, kept current likewise; else
+        # those the last drafter of its kind measured on this target (carried with the verify costs).
         self.known_drafting = known_drafting
-        if adaptive and known_drafting:
-            self.draft_seconds, self.draft_tokens, self.proposal_seconds, self.proposals = known_drafting["drafting"]
+        drafting = (known_drafting or {}).get("drafting") or (known.get("drafting") if self.carried else None)
+        if adaptive and drafting:
+            self.draft_seconds, self.draft_tokens, self.proposal_seconds, self.proposals = drafting
+            self.shadowing = self._shadows()
 
     def plan(self, rows: list[int], generated: dict[int, int]) -> int:
         """How many tokens per row to ask the drafter for next (0: no proposal, the next step
@@ -233,6 +252,10 @@ class DraftLengths:
             # waits for its outcome).
             waiting = self.timed_drafts or (self.steps_seen > 0 and any(self._in_flight().values()))
             lengths = [0 if waiting else 1] * len(rows)
+            if not waiting and self.carried and not any(self._best(rows)):
+                # At the prior, not even a free draft pays for its verification: no drafting
+                # to time (as far as forced probes go).
+                lengths = self._forced_probe([0] * len(rows))
         elif self.shadowing:  # chosen once the proposal is seen
             lengths = [self.K] * len(rows)
         else:
@@ -373,6 +396,11 @@ class DraftLengths:
                     still.append([draft, matched, state])
             self.pending[row] = still + ([[ids, 0, self.state[row]]] if ids else [])
 
+    def _shadows(self) -> bool:
+        """Whether to ask K tokens every step (module docstring: a cheap deterministic drafter)."""
+        return (self.deterministic and self.proposals > 0 and self.steps > 0
+                and self.proposal_seconds / self.proposals <= SHADOW_SHARE * self.step_seconds / self.steps)
+
     def _in_flight(self) -> dict[int, int]:
         """Per row, the drafts of the verification made and not yet observed (the loop plans
         the next step before the last one's outcome arrives)."""
@@ -448,11 +476,12 @@ class DraftLengths:
         self.forecasts = {}
         calibration = (self.realized + 2) / (self.forecast + 2)
         in_flight = self._in_flight()
+        prior = PRIOR_WEIGHT * (self.pooled[1] + 1) / (self.pooled[0] + 2)  # (1/2 before any evidence)
         for i, r in enumerate(rows):
             # A verification still in flight (planning runs before its outcome is read) counts
             # as a miss: a row probed once is not probed again on the same evidence.
             missed = offered is None and in_flight.get(r, 0) > 0
-            a = (self.first_accepted[r] + 1) / (self.first_drafts[r] + missed + 2)
+            a = (self.first_accepted[r] + prior) / (self.first_drafts[r] + missed + PRIOR_WEIGHT)
             if self.deterministic:  # scored: by the row's state (a copied span tends to go on)
                 s = self.state[r]
                 a = (self.state_accepted[s] + 1) / (self.state_first[s] + 2)
@@ -507,6 +536,7 @@ class DraftLengths:
                      self.state_first, self.state_accepted):
             sums[:] = [DECAY * x for x in sums]
         self.realized, self.forecast = DECAY * self.realized, DECAY * self.forecast
+        self.pooled = [PRIOR_DECAY * x for x in self.pooled]
         for expected, m in zip(forecast or [], accepted, strict=False):
             if expected is not None:
                 self.forecast += expected
@@ -519,6 +549,8 @@ class DraftLengths:
                 continue
             self.first_drafts[r] += p > 0
             self.first_accepted[r] += m > 0
+            self.pooled[0] += p > 0
+            self.pooled[1] += m > 0
             for j in range(2, min(p, m + 1) + 1):  # drafts 2 .. p whose predecessor was accepted
                 self.reached[j] += 1
                 self.passed[j] += m >= j
@@ -562,8 +594,7 @@ class DraftLengths:
             self.timed_drafts = verify_tokens > len(rows)
         self.step_seconds = COST_DECAY * self.step_seconds + step_s
         self.steps = COST_DECAY * self.steps + 1
-        self.shadowing = (self.deterministic and self.proposals > 0
-                          and self.proposal_seconds / self.proposals <= SHADOW_SHARE * self.step_seconds / self.steps)
+        self.shadowing = self._shadows()
         self.verify.add(verify_tokens, verify_s)
         seconds, weight = self.verify_at.get(verify_tokens, (0.0, 0.0))
         self.verify_at[verify_tokens] = (COST_DECAY * seconds + verify_s, COST_DECAY * weight + 1)
@@ -573,4 +604,7 @@ class DraftLengths:
             # For the next call (`known_costs`): the live estimates, copied when it starts.
             self.known.update(verify=self.verify, verify_at=self.verify_at, overhead=self.overhead)
         if self.known is not None and "verify" in self.known:  # (for the next call: a lock-out outlives this one)
-            self.known["stale"], self.known["deterministic"] = list(self.stale), self.deterministic
+            self.known.update(stale=list(self.stale), deterministic=self.deterministic, pooled=list(self.pooled),
+                              step=(self.step_seconds, self.steps))
+            if self.draft_tokens:
+                self.known["drafting"] = (self.draft_seconds, self.draft_tokens, self.proposal_seconds, self.proposals)

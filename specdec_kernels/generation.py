@@ -526,10 +526,10 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, attention_mask:
             where no draft pays for its verification decodes plainly. The verify costs carry
             over to the next call on the same ``target`` object run alike (batch size, device,
             CUDA graphs, greedy or sampled, the drafter's class), and the drafting costs to the
-            next such call given the same ``draft`` object, so that call's first steps are
-            already priced (a draft given by name, or one that cannot be weakly referenced and
-            hashed, carries nothing); acceptance never carries over. False: K every step,
-            nothing carried.
+            next such call given the same ``draft`` object, else from the last drafter of its
+            class (a new object, or a draft given by name), so that call's first steps are
+            already priced; acceptance carries over only as the prior a row's first-draft rate
+            starts from. False: K every step, nothing carried.
         seed: as in `generate`, with one limit: the same seed repeats sampled tokens only with the
             same draft lengths, so use ``adaptive=False`` for runs repeatable token for token
             (adaptive lengths follow the timings of this run and of earlier ones; every run follows the target's
