@@ -24,29 +24,29 @@ and is probed again with one draft token, where the prior pays for it, after eno
 that the probes cost little; a row's first draft still being verified counts as a miss when the
 next step is planned (a failed probe is not repeated on the same evidence). The prior of the
 rates c_j is 1/2; that of a row's first-draft rate a is the rate pooled over every row's
-verified first drafts, forgotten slowly (`PRIOR_DECAY`), worth `PRIOR_WEIGHT` of the row's own
-samples, and carried with the verify costs (1/2 before any): what drafters of this kind were
-accepted on this target, so that a call does not start by probing a draft that earlier calls
-found useless (a prefix of the target's layers, accepted under 1% of the time), nor a row of a
-batch keep probing it.
+verified first drafts (the row's own among them: at batch 1 its own long-run rate), forgotten
+slowly (`PRIOR_DECAY`), worth `PRIOR_WEIGHT` of the row's own samples, and carried across calls
+with the drafter (1/2 before any evidence): what this drafter was accepted at on this target,
+so that a call does not start by probing a draft that earlier calls found useless (a prefix of
+the target's layers, accepted under 1% of the time), nor a row of a batch keep probing it.
 Before costs are measured, steps draft one token per row until a drafting step has been
-timed, then decode plainly until a second token count has been timed (with the verify costs
-carried, a step where not even a free draft would pay at the prior decodes plainly: there is no
-drafting to time). The first step's verify and
+timed, then decode plainly until a second token count has been timed. The first step's verify and
 step times stand in until the second's replace them (it may pay one-time costs; a step that ran a
 CUDA-graph shape eagerly or recorded it is not timed at all). The verify costs (the line, the
 seconds per token count, the loop's overhead) belong to the target and the way it runs, not to
 the text: a call starts from those an earlier call run alike measured on the same target object
 (`known_costs`); its own first step is then not timed, and the carried costs fade under its own
 (`COST_DECAY`; a token count's mean as that count is measured again). The drafting costs belong
-to the drafter and carry likewise, on the drafter object as the call was given it: a call with
-both carried chooses from its first step, where one without times a drafting step first (but
-where the carried costs say the drafter's kind made deterministic chains, its first proposal
-is asked for K and the lengths chosen once the offer is made: its drafting is paid by then). A
+to the drafter and carry likewise, on the drafter object as the call was given it, as does the
+prior above; a drafter object without them (a new one, as a call making its own prompt lookup
+is given) starts from those the last drafter of its class measured on the target (carried with
+the verify costs), and its forced probe's wait (below) starts over: it has not been shown
+useless. A call with drafting costs chooses from its first step (a cheap deterministic drafter
+shadows from it), where one without times a drafting step first. A
 step far slower than predicted is dropped as an outlier, but not a third in a row: a lasting
 change (or carried costs gone stale) is learned. Acceptance is carried only as that prior:
-it belongs to the text. A drafter that has proposed nothing in the first steps leaves no drafting to price:
-the policy then starts without, and its shares f keep asking rare.
+the rest of it belongs to the text. A drafter that has proposed nothing in the first steps
+leaves no drafting to price: the policy then starts without, and its shares f keep asking rare.
 
 Costs that price drafting out are re-measured only by drafting: a drafting cost or a verify
 width timed while the machine was loaded would keep a good drafter off for good (a row's
@@ -181,7 +181,7 @@ class DraftLengths:
         # (their predecessor accepted) and accepted.
         self.first_drafts, self.first_accepted = [0.0] * batch_size, [0.0] * batch_size
         # The same pooled over rows and forgotten slowly (`PRIOR_DECAY`): the prior's evidence,
-        # carried with the verify costs (the drafter's kind on this target).
+        # carried with the drafting costs.
         self.pooled = [0.0, 0.0]  # first drafts verified, accepted
         self.asked, self.got = [0.0] * batch_size, [0.0] * batch_size
         self.reached, self.passed = [0.0] * (max_tokens + 1), [0.0] * (max_tokens + 1)
@@ -223,18 +223,20 @@ class DraftLengths:
         if self.carried:
             self.verify, self.verify_at = copy.copy(known["verify"]), dict(known["verify_at"])
             self.overhead, self.stale = known["overhead"], list(known.get("stale", self.stale))
-            self.pooled = list(known.get("pooled", self.pooled))
             self.step_seconds, self.steps = known.get("step", (0.0, 0.0))
-            # Whether drafters of this kind made deterministic chains: then the first proposal is
-            # asked for K and its lengths chosen once the offer is seen, as on every later step.
+            # Whether drafters of this class made deterministic chains: a cheap one shadows from
+            # the first step, as on every later one.
             self.deterministic = known.get("deterministic", False)
-        # Drafting costs measured by earlier calls with this drafter, kept current likewise; else
-        # those the last drafter of its kind measured on this target (carried with the verify costs).
-        self.known_drafting = known_drafting
-        drafting = (known_drafting or {}).get("drafting") or (known.get("drafting") if self.carried else None)
-        if adaptive and drafting:
-            self.draft_seconds, self.draft_tokens, self.proposal_seconds, self.proposals = drafting
+        # Drafting costs and the prior measured by earlier calls with this drafter, kept current
+        # likewise; else those of the last drafter of its class on this target (module docstring).
+        self.known_drafting, own = known_drafting, (known_drafting or {}).get("drafting") is not None
+        stand_in = known if self.carried and not own else known_drafting if own else {}
+        if adaptive and stand_in.get("drafting"):
+            self.draft_seconds, self.draft_tokens, self.proposal_seconds, self.proposals = stand_in["drafting"]
+            self.pooled = list(stand_in.get("pooled", self.pooled))
             self.shadowing = self._shadows()
+        if self.carried and not own:
+            self.stale[1] = PROBE_AFTER
 
     def plan(self, rows: list[int], generated: dict[int, int]) -> int:
         """How many tokens per row to ask the drafter for next (0: no proposal, the next step
@@ -252,10 +254,6 @@ class DraftLengths:
             # waits for its outcome).
             waiting = self.timed_drafts or (self.steps_seen > 0 and any(self._in_flight().values()))
             lengths = [0 if waiting else 1] * len(rows)
-            if not waiting and self.carried and not any(self._best(rows)):
-                # At the prior, not even a free draft pays for its verification: no drafting
-                # to time (as far as forced probes go).
-                lengths = self._forced_probe([0] * len(rows))
         elif self.shadowing:  # chosen once the proposal is seen
             lengths = [self.K] * len(rows)
         else:
@@ -292,7 +290,7 @@ class DraftLengths:
         tokens, and a row given more drafts than its budget keeps would commit tokens past it,
         past the room the caches hold (`Drafter.prefill`'s ``max_len``). A tree keeps its nodes
         (`_within_budget`)."""
-        best = self.after_offer and self._ready(offer_seen=True)
+        best = self.after_offer and self._ready()
         if best:
             lengths = self._forced_probe(self._best(rows, offered), offered)
         else:
@@ -406,20 +404,18 @@ class DraftLengths:
         the next step before the last one's outcome arrives)."""
         return {} if self.verified is None else {row: drafted for row, _, drafted, _ in self.verified[0]}
 
-    def _ready(self, offer_seen: bool = False) -> bool:
+    def _ready(self) -> bool:
         """Whether every cost has been measured: a second verify width too, unless the drafter
         has proposed nothing in `UNANSWERED_STEPS` timed steps (then there is no drafting to
-        price: the shares f say so, and the policy asks again as they recover). With the
-        ``offer_seen`` the drafting is paid: its cost need not be known yet."""
+        price: the shares f say so, and the policy asks again as they recover)."""
         measured = len(self.verify_at) > 1 or (self.steps_seen >= UNANSWERED_STEPS and not any(self.got))
-        return measured and (self.draft_tokens > 0 or offer_seen) and self.overhead is not None
+        return measured and self.draft_tokens > 0 and self.overhead is not None
 
     def _predicted(self, tokens: float, width: int, curve: tuple | None = None) -> float:
         """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row (when
-        shadowing, a proposal of K whatever is verified; nothing before drafting is timed: the
-        policy then chooses only once the offer is made and paid); ``curve``: `_verify_curve`, if made."""
+        shadowing, a proposal of K whatever is verified); ``curve``: `_verify_curve`, if made."""
         drafting = (self.proposal_seconds / self.proposals if self.shadowing
-                    else self.draft_seconds / self.draft_tokens * width if self.draft_tokens else 0.0)
+                    else self.draft_seconds / self.draft_tokens * width)
         return self.overhead + self._verify_seconds(tokens, curve) + drafting
 
     def _verify_curve(self) -> tuple[float, float, list[int], dict[int, float]]:
@@ -604,7 +600,10 @@ class DraftLengths:
             # For the next call (`known_costs`): the live estimates, copied when it starts.
             self.known.update(verify=self.verify, verify_at=self.verify_at, overhead=self.overhead)
         if self.known is not None and "verify" in self.known:  # (for the next call: a lock-out outlives this one)
-            self.known.update(stale=list(self.stale), deterministic=self.deterministic, pooled=list(self.pooled),
+            self.known.update(stale=list(self.stale), deterministic=self.deterministic,
                               step=(self.step_seconds, self.steps))
-            if self.draft_tokens:
-                self.known["drafting"] = (self.draft_seconds, self.draft_tokens, self.proposal_seconds, self.proposals)
+            if self.draft_tokens:  # (for a new drafter of this class)
+                self.known.update(drafting=(self.draft_seconds, self.draft_tokens, self.proposal_seconds,
+                                            self.proposals), pooled=list(self.pooled))
+        if self.known_drafting is not None and self.draft_tokens:
+            self.known_drafting["pooled"] = list(self.pooled)

@@ -997,7 +997,7 @@ def test_costs_timed_under_load_do_not_lock_a_good_draft_out(monkeypatch):
     assert sum(k > 0 for k, in first) > 30, first
     seconds, tokens, _, proposals = drafting["drafting"]
     assert seconds / tokens == pytest.approx(0.020) and proposals > 10
-    known["pooled"] = [0.0, 0.0]  # the pooled acceptance forgotten: the prior back at 1/2, which those costs price out
+    drafting["pooled"] = [0.0, 0.0]  # the pooled acceptance forgotten: the prior back at 1/2, priced out
     calls = [[k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0], 48, lambda r, k: k,
                                         verify_s, lambda w: spend(0.0003 * w))] for _ in range(3)]
     lengths = [k for call in calls for k in call]
@@ -1013,11 +1013,11 @@ def test_costs_timed_under_load_do_not_lock_a_good_draft_out(monkeypatch):
 def test_a_draft_found_useless_is_not_probed_again_at_each_calls_start(monkeypatch, same_drafter):
     """A first call finds a draft useless (never accepted; 6 ms a token against a 31 ms step):
     acceptance starts from 1/2, so it probes at its start. The next calls on the
-    same target start from the first-draft rate pooled over the calls before (carried with the
-    verify costs), whether given the same drafter or a new one (the drafting costs its kind
-    measured carried too): once that rate holds a few samples they decode plainly from their
-    first step, and draft one token only as the forced probes do (after `PROBE_AFTER` plain
-    steps, then twice that), not at every call's start."""
+    same target start from the first-draft rate pooled over the calls before, carried with the
+    drafter, or for a new drafter object from its class's (with the drafting costs): once that
+    rate holds a few samples they decode plainly from their first step, not probing at every
+    call's start, and draft one token only as the forced probes do, after `PROBE_AFTER` plain
+    steps, then twice that (a new drafter's wait starts over: it was not shown useless)."""
     spend = _clocked(monkeypatch)
     verify_s = lambda n, step: spend(0.030 + 0.001 * n)
     draft_s = lambda w: spend(0.006 * w)
@@ -1028,7 +1028,35 @@ def test_a_draft_found_useless_is_not_probed_again_at_each_calls_start(monkeypat
     calls = [[k for k, in in_loop_order(DraftLengths(8, 10**6, 1, True, known, drafting if same_drafter else {}),
                                         [0], 48, lambda r, k: 0, verify_s, draft_s)] for _ in range(5)]
     lengths = [k for call in calls for k in call]
-    assert set(lengths) <= {0, 1} and 1 <= sum(lengths) <= 3 and sum(calls[-1]) == 0, calls
+    drafted = [i for i, k in enumerate(lengths) if k]
+    assert set(lengths) <= {0, 1} and sum(call[0] for call in calls) <= 1, calls
+    assert all(b - a >= _draft_lengths.PROBE_AFTER - 4 for a, b in zip(drafted[1:], drafted[2:], strict=False)), drafted
+    assert len(drafted) <= (3 if same_drafter else 5), drafted
+
+
+def test_a_useless_drafter_does_not_hold_back_a_good_one_of_its_class(monkeypatch):
+    """Two drafters of one class on one target, drafting at 6 ms a token. After five calls of
+    a useless one the class's prior is low: a new good drafter of the class starts from it, but
+    its forced probe's wait starts over, so it drafts within `PROBE_AFTER` steps, then 3 or 4
+    tokens a step. Another call of the useless one leaves the class's prior low again; the good
+    one carries its own and drafts from its first step."""
+    spend = _clocked(monkeypatch)
+    verify_s, draft_s = (lambda n, step: spend(0.030 + 0.001 * n)), (lambda w: spend(0.006 * w))
+    known, good, bad = {}, {}, {}
+    run = lambda drafting, steps, accept: [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting),
+                                                                      [0], steps, accept, verify_s, draft_s)]
+    class_prior = lambda: (known["pooled"][1] + 1) / (known["pooled"][0] + 2)
+    for _ in range(5):
+        run(bad, 48, lambda r, k: 0)
+    # (The forced probe's wait has grown to 256 steps, some 180 of them still to come.)
+    assert class_prior() < 0.25 and known["stale"][1] - known["stale"][0] > 120, known
+    first_call = run(good, 120, lambda r, k: k)
+    first = next((i for i, k in enumerate(first_call) if k), len(first_call))
+    assert first <= _draft_lengths.PROBE_AFTER + 2 and min(first_call[first + 8:]) >= 3, first_call
+    run(bad, 48, lambda r, k: 0)
+    assert class_prior() < 0.25, known
+    again = run(good, 20, lambda r, k: k)
+    assert min(again) >= 2 and min(again[8:]) >= 3, again
 
 
 def test_a_probe_due_at_a_calls_start_waits_for_a_timed_step(monkeypatch):
@@ -1040,7 +1068,7 @@ def test_a_probe_due_at_a_calls_start_waits_for_a_timed_step(monkeypatch):
     in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0], 40, lambda r, k: k, verify_s,
                   lambda w: spend(0.020 * w))
     known["stale"] = [_draft_lengths.PROBE_AFTER, _draft_lengths.PROBE_AFTER]
-    known["pooled"] = [0.0, 0.0]  # the pooled acceptance forgotten: the prior back at 1/2, which those costs price out
+    drafting["pooled"] = [0.0, 0.0]  # the pooled acceptance forgotten: the prior back at 1/2, priced out
     lengths = [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0], 12, lambda r, k: k,
                                          verify_s, lambda w: spend(0.0003 * w))]
     assert lengths[:3] == [0, 0, 1] and set(lengths[5:]) == {4}, lengths
@@ -1069,10 +1097,11 @@ def scored_call(policy: DraftLengths, steps: int, spend) -> list[int]:
 
 
 def test_a_scored_drafters_first_offer_is_verified_whole_where_costs_are_carried(monkeypatch):
-    """With verify costs carried from a call whose drafter made deterministic chains, a new
-    drafter of that kind (as each call may make) is asked for K at once and the whole offer is
-    verified where the costs say it pays, not one token until its drafting is timed. Its first
-    call, with nothing carried, starts with one-token drafts."""
+    """With costs carried from a call whose drafter made cheap deterministic chains, a new
+    drafter of that class (as each call may make) starts from the drafting costs its class
+    measured and shadows from its first step: asked for K at once, the whole offer verified
+    where the costs say it pays, not one token until its drafting is timed. The first call,
+    with nothing carried, starts with one-token drafts."""
     spend = _clocked(monkeypatch)
     known = {}
     first = scored_call(DraftLengths(4, 10**6, 1, True, known, {}), 30, spend)
@@ -1151,7 +1180,7 @@ def test_speculative_generate_keeps_verify_costs_per_target_and_way_of_running(t
         assert set(known) == CARRIED_KEYS
         assert known["deterministic"] is True  # the oracle's proposals: deterministic chains
         drafting = _draft_lengths.known_costs(drafter, ("drafting", 2, "cpu", False, True, "OracleDraft"))
-        assert set(drafting) == {"drafting"}
+        assert set(drafting) == {"drafting", "pooled"}
     assert _draft_lengths.known_costs(Oracle(truth), ("drafting", 2, "cpu", False, True, "OracleDraft")) == {}
     assert _draft_lengths.known_costs(target, (1, "cpu", False, True, "OracleDraft")) == {}
     assert _draft_lengths.known_costs(target, (2, "cpu", False, False, "OracleDraft")) == {}
