@@ -159,7 +159,8 @@ class DraftLengths:
     proposal, where `scores` it), `choose` (each row's length, given what it was offered) and
     `verifying` (what it verifies). ``known``: the verify costs of earlier calls run alike
     (`known_costs`), read at the start and kept current; None or empty: measured from scratch.
-    ``known_drafting``: the same for the drafting costs (of earlier calls with the same drafter).
+    ``known_drafting``: the same for the drafting costs and the acceptance prior (of earlier
+    calls with the same drafter; empty: those in ``known`` of its class stand in).
     The arithmetic is plain Python on a few numbers per row:
     host work, no tensor to synchronize. ``counts[row][k]`` counts the verified steps the row
     was given length k.
