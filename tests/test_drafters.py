@@ -1106,7 +1106,9 @@ def test_a_scored_drafters_first_offer_is_verified_whole_where_costs_are_carried
     known = {}
     first = scored_call(DraftLengths(4, 10**6, 1, True, known, {}), 30, spend)
     assert first[:2] == [1, 1] and set(first[-10:]) == {4} and known["deterministic"] is True, first
-    second = scored_call(DraftLengths(4, 10**6, 1, True, known, {}), 10, spend)
+    policy = DraftLengths(4, 10**6, 1, True, known, {})
+    assert policy.shadowing  # asks K and chooses once the offer is seen, from the first step
+    second = scored_call(policy, 10, spend)
     assert set(second) == {4}, second
 
 
