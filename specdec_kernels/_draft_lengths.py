@@ -231,7 +231,7 @@ class DraftLengths:
         # Drafting costs and the prior measured by earlier calls with this drafter, kept current
         # likewise; else those of the last drafter of its class on this target (module docstring).
         self.known_drafting, own = known_drafting, (known_drafting or {}).get("drafting") is not None
-        stand_in = known if self.carried and not own else known_drafting if own else {}
+        stand_in = known_drafting if own else known if self.carried else {}
         if adaptive and stand_in.get("drafting"):
             self.draft_seconds, self.draft_tokens, self.proposal_seconds, self.proposals = stand_in["drafting"]
             self.pooled = list(stand_in.get("pooled", self.pooled))
