@@ -48,6 +48,14 @@ change (or carried costs gone stale) is learned. Acceptance is carried only as t
 the rest of it belongs to the text. A drafter that has proposed nothing in the first steps
 leaves no drafting to price: the policy then starts without, and its shares f keep asking rare.
 
+A proposal made after steps without one can cost more: a drafter in a cache of its own (a
+model, a head) reads every token committed since it last proposed. That is paid once when
+drafting resumes, not per token drafted, so where such a proposal comes out dearer per token
+than the drafting cost measured on proposals made right after another, it is left out (priced
+per token it would keep the drafter off after every plain spell, a forced probe included);
+before any such steady proposal is timed it stands in, and steps draft one token per row
+until one is.
+
 Costs that price drafting out are re-measured only by drafting: a drafting cost or a verify
 width timed while the machine was loaded would keep a good drafter off for good (a row's
 acceptance drifts back to the prior, which the inflated costs still price out). So after
@@ -172,6 +180,10 @@ class DraftLengths:
         self.planned: dict[int, int] = {}  # the lengths planned for the proposal being made
         self.chosen: dict[int, int] = {}  # the lengths being verified
         self.width = 0  # tokens per row asked of the drafter for the proposal being made
+        # Whether the drafter was asked for the proposal before it too: then the proposal being made
+        # reads one step's committed tokens, not every token since it last proposed (module docstring).
+        self.steady = False
+        self.steady_drafting = False  # whether the drafting costs come from such proposals
         self.after_offer = False  # the lengths are chosen once the proposal is seen (shadowing; scored start-up)
         # (row, tokens planned, drafted, forecast accepted) per row verified, and tokens verified
         self.verified: tuple[list[tuple[int, int, int, float | None]], int] | None = None
@@ -235,7 +247,7 @@ class DraftLengths:
         if adaptive and stand_in.get("drafting"):
             self.draft_seconds, self.draft_tokens, self.proposal_seconds, self.proposals = stand_in["drafting"]
             self.pooled = list(stand_in.get("pooled", self.pooled))
-            self.shadowing = self._shadows()
+            self.shadowing, self.steady_drafting = self._shadows(), True
         if self.carried and not own:
             self.stale[1] = PROBE_AFTER
 
@@ -246,14 +258,15 @@ class DraftLengths:
         one, so more than ``max_new_tokens - generated - 2`` drafts could not all be kept within
         the row's budget, and are not asked for (a tree's nodes are, while one draft can be:
         `_within_budget`). Shadowing (module docstring), K."""
-        self.forecasts = {}
+        self.forecasts, self.steady = {}, self.width > 0
         if not self.adaptive:
             lengths = [self.K] * len(rows)
         elif not self._ready():
             # One-token drafts until a drafting step is timed (the first step's times are
             # replaced by the second's; a step planned while a drafting step is in flight
-            # waits for its outcome).
-            waiting = self.timed_drafts or (self.steps_seen > 0 and any(self._in_flight().values()))
+            # waits for its outcome), and until a proposal made right after another is.
+            waiting = self.steady_drafting and (self.timed_drafts or (self.steps_seen > 0
+                                                                      and any(self._in_flight().values())))
             lengths = [0 if waiting else 1] * len(rows)
         elif self.shadowing:  # chosen once the proposal is seen
             lengths = [self.K] * len(rows)
@@ -365,7 +378,8 @@ class DraftLengths:
         accepted = dict(zip(rows, accepted, strict=True))
         rows, asked, got, forecast = (list(column) for column in zip(*verified, strict=True))
         self._measured(rows, asked, got, [accepted[r] for r in rows], tokens, verify_s, width,
-                       draft_s if width else 0.0, step_s, forecast, timed=slow_calls == self.slow_calls)
+                       draft_s if width else 0.0, step_s, forecast, timed=slow_calls == self.slow_calls,
+                       steady=self.steady)
 
     def _compare(self, rows: list[int], committed: list[list[int]], proposals: list[list[int]]) -> None:
         """Score the pending proposals against each row's newly ``committed`` tokens (first
@@ -410,7 +424,7 @@ class DraftLengths:
         has proposed nothing in `UNANSWERED_STEPS` timed steps (then there is no drafting to
         price: the shares f say so, and the policy asks again as they recover)."""
         measured = len(self.verify_at) > 1 or (self.steps_seen >= UNANSWERED_STEPS and not any(self.got))
-        return measured and self.draft_tokens > 0 and self.overhead is not None
+        return measured and self.draft_tokens > 0 and self.steady_drafting and self.overhead is not None
 
     def _predicted(self, tokens: float, width: int, curve: tuple | None = None) -> float:
         """Predicted seconds of a step verifying ``tokens`` after drafting ``width`` per row (when
@@ -523,12 +537,13 @@ class DraftLengths:
 
     def _measured(self, rows: list[int], asked: list[int], proposed: list[int], accepted: list[int],
                   verify_tokens: int, verify_s: float, draft_tokens: int, draft_s: float, step_s: float,
-                  forecast: list[float | None] | None = None, timed: bool = True) -> None:
+                  forecast: list[float | None] | None = None, timed: bool = True, steady: bool = True) -> None:
         """One step's measurements: for each of the batch's ``rows`` the drafts it asked for, got
         and had accepted; the target forward and sampling (``verify_s`` seconds over
         ``verify_tokens`` tokens), the next proposal (``draft_s`` seconds for ``draft_tokens``
         per row, 0 if none was made) and the whole step from one transfer to the next (not
-        costs where ``timed`` is False)."""
+        costs where ``timed`` is False). ``steady``: the drafter was asked for a proposal the
+        step before this one's too."""
         for sums in (self.first_drafts, self.first_accepted, self.asked, self.got, self.reached, self.passed,
                      self.state_first, self.state_accepted):
             sums[:] = [DECAY * x for x in sums]
@@ -566,14 +581,19 @@ class DraftLengths:
         self.dropped = 0
         # Costs unmeasured for the steps a forced probe waits: this step's replace them (module docstring).
         stale = self.stale[0] >= self.stale[1]
-        if draft_tokens and stale:
-            self.draft_seconds = self.draft_tokens = self.proposal_seconds = self.proposals = 0.0
-        if draft_tokens:
+        # A proposal after steps without one may read every token committed since (a model or a
+        # head in its own cache): one dearer per token than the steady cost says nothing of it
+        # and is left out; before any steady cost it stands in until one is timed.
+        known = self.draft_seconds / self.draft_tokens if self.steady_drafting and self.draft_tokens else None
+        if draft_tokens and (steady or known is None or draft_s / draft_tokens <= known):
+            if stale or not self.steady_drafting:
+                self.draft_seconds = self.draft_tokens = self.proposal_seconds = self.proposals = 0.0
+            self.steady_drafting = steady or known is not None
             self.draft_seconds = COST_DECAY * self.draft_seconds + draft_s
             self.draft_tokens = COST_DECAY * self.draft_tokens + draft_tokens
             self.proposal_seconds = COST_DECAY * self.proposal_seconds + draft_s
             self.proposals = COST_DECAY * self.proposals + 1
-            if self.known_drafting is not None:  # for the next call with this drafter
+            if self.known_drafting is not None and self.steady_drafting:  # for the next call with this drafter
                 self.known_drafting["drafting"] = (self.draft_seconds, self.draft_tokens, self.proposal_seconds,
                                                    self.proposals)
         self.timed_drafts |= verify_tokens > len(rows)
@@ -603,7 +623,7 @@ class DraftLengths:
         if self.known is not None and "verify" in self.known:  # (for the next call: a lock-out outlives this one)
             self.known.update(stale=list(self.stale), deterministic=self.deterministic,
                               step=(self.step_seconds, self.steps))
-            if self.draft_tokens:  # (for a new drafter of this class)
+            if self.draft_tokens and self.steady_drafting:  # (for a new drafter of this class)
                 self.known.update(drafting=(self.draft_seconds, self.draft_tokens, self.proposal_seconds,
                                             self.proposals), pooled=list(self.pooled))
         if self.known_drafting is not None and self.draft_tokens:

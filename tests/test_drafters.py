@@ -1124,6 +1124,7 @@ def test_a_verify_width_timed_under_load_does_not_lock_a_cheap_scored_drafter_ou
              "stale": [0, _draft_lengths.PROBE_AFTER]}
     policy = DraftLengths(4, 10**6, 1, True, known)
     policy.draft_seconds, policy.draft_tokens, policy.proposal_seconds, policy.proposals = 0.0003, 4.0, 0.0003, 1.0
+    policy.steady_drafting = True  # (as timed on a proposal made right after another)
     chosen = [k for k, _ in scored_steps(policy, 160, lambda step: True, lambda n: 0.030 + 0.001 * n)]
     forced = next(i for i, k in enumerate(chosen) if k)
     assert _draft_lengths.PROBE_AFTER <= forced <= _draft_lengths.PROBE_AFTER + 3 and chosen[forced] == 1, chosen
@@ -1209,3 +1210,45 @@ def test_no_row_commits_tokens_past_its_budget(target, adaptive):
                                temperature=0, adaptive=adaptive)
     assert torch.equal(out.tokens, truth[:, :N])
     assert max(most) == N
+
+
+def _catching_up(spend, per_token: float, per_plain_step: float):
+    """``draft_s(width)`` for `in_loop_order` of a drafter that reads, at each proposal, every
+    token committed since its last one (a head or a model in its own cache): ``per_token`` a
+    draft token, plus ``per_plain_step`` for each step since it last proposed."""
+    since = [0]
+
+    def draft_s(width: int) -> float:
+        if not width:
+            since[0] += 1
+            return 0.0
+        seconds, since[0] = per_token * width + per_plain_step * since[0], 0
+        return spend(seconds)
+    return draft_s
+
+
+def test_a_proposal_catching_up_after_plain_steps_is_not_a_drafting_cost(monkeypatch):
+    """A drafter at 2.5 ms a draft token, plus 0.5 ms for each plain step since it last proposed
+    (it reads every token committed since). A useless one is probed now and then, after tens of
+    plain steps, each probe paying 20-70 ms to catch up: the drafting cost stays the steady 2.5 ms
+    a token (those seconds are paid once per probe, not per token drafted). A good one, kept off
+    for a while, drafts 3 or 4 tokens a step again soon after its forced probe: the probe's
+    catch-up does not price it out."""
+    spend = _clocked(monkeypatch)
+    verify_s = lambda n, step: spend(0.030 + 0.001 * n)
+    policy = DraftLengths(4, 10**6, 1, adaptive=True)
+    draft_s = _catching_up(spend, 0.0025, 0.0005)
+    chosen = [k for k, in in_loop_order(policy, [0], 700, lambda r, k: 0, verify_s, draft_s)]
+    assert 4 <= sum(k > 0 for k in chosen) <= 16, chosen  # probed now and then
+    assert policy.draft_seconds / policy.draft_tokens == pytest.approx(0.0025, rel=1e-3), policy.draft_seconds
+    known, drafting, draft_s = {}, {}, _catching_up(spend, 0.0025, 0.0005)
+    run = lambda steps, accept: [k for k, in in_loop_order(DraftLengths(4, 10**6, 1, True, known, drafting), [0],
+                                                            steps, accept, verify_s, draft_s)]
+    assert min(run(48, lambda r, k: k)[-8:]) >= 3
+    run(48, lambda r, k: 0)
+    drafting["pooled"] = [50.0, 1.0]  # a long useless spell: the prior low, only forced probes draft
+    again = run(200, lambda r, k: k)
+    first = next(i for i, k in enumerate(again) if k)
+    assert first <= _draft_lengths.PROBE_AFTER + 2 and min(again[first + 8:]) >= 3, again
+    seconds, tokens, _, _ = drafting["drafting"]
+    assert seconds / tokens == pytest.approx(0.0025, rel=1e-3), drafting
